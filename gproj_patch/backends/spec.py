@@ -1,0 +1,170 @@
+"""Shared conventions of every gproj backend: layout, masking semantics, LSE layouts, input checks.
+
+Layout. Every backend takes ``q`` of shape (B, Hq, Sq, D) and ``k``, ``v`` of shape (B, Hkv, Sk, D)
+(any strides), Hq a multiple of Hkv (GQA/MQA: query head h reads KV head h // (Hq // Hkv)).
+Varlen (flash-attn's packed ``(total, H, D)``) is expressed as B = 1 with ``cu_seqlens_q`` / ``cu_seqlens_k``
+splitting the sequence axis: ``packed.unsqueeze(0).transpose(1, 2)`` is that view, no copy.
+
+Masking. For one sequence with Sq queries and Sk keys, ``shift = Sk - Sq`` for the bottom-right alignment
+(flash-attn's ``causal=True``) and ``shift = 0`` for top-left (SDPA's ``is_causal=True``). Key j is visible
+from query i iff
+
+    causal:          j <= i + shift
+    window left L:   j >= i + shift - L      (L < 0: unbounded)
+    window right R:  j <= i + shift + R      (R < 0: unbounded)
+
+Softcap c > 0 replaces the score s by c·tanh(s / c) before the softmax. A row that sees no key has output 0,
+LSE = -inf and zero gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+ALIGNMENTS = ("top_left", "bottom_right")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    causal: bool = False
+    causal_align: str = "top_left"
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+
+    def __post_init__(self):
+        if self.causal_align not in ALIGNMENTS:
+            raise ValueError(f"causal_align must be one of {ALIGNMENTS}, got {self.causal_align!r}")
+        if len(self.window) != 2 or not all(isinstance(w, int) for w in self.window):
+            raise ValueError(f"window must be a pair of ints (left, right), got {self.window!r}")
+        if not (self.softcap >= 0.0):
+            raise ValueError(f"softcap must be >= 0 (0 disables it), got {self.softcap!r}")
+
+    @property
+    def is_dense(self) -> bool:
+        """True when every key is visible from every query."""
+        return not self.causal and self.window == (-1, -1)
+
+    def visible(self, i: torch.Tensor, j: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
+        """Boolean visibility of keys ``j`` from queries ``i`` (broadcasting integer tensors)."""
+        shift = sk - sq if self.causal_align == "bottom_right" else 0
+        diag = i + shift
+        ok = torch.ones(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.bool, device=i.device)
+        if self.causal:
+            ok &= j <= diag
+        left, right = self.window
+        if left >= 0:
+            ok &= j >= diag - left
+        if right >= 0:
+            ok &= j <= diag + right
+        return ok
+
+
+def default_scale(head_dim: int, scale: Optional[float]) -> float:
+    return head_dim ** -0.5 if scale is None else float(scale)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One attention problem inside a (possibly packed) batch."""
+    batch: int
+    q_start: int
+    q_len: int
+    k_start: int
+    k_len: int
+
+
+def segments(batch: int, sq: int, sk: int, cu_seqlens_q=None, cu_seqlens_k=None) -> Iterator[Segment]:
+    """Yield the independent (query range, key range) problems of a dense or varlen batch."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if cu_seqlens_q is None:
+        for b in range(batch):
+            yield Segment(b, 0, sq, 0, sk)
+        return
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    for s in range(len(cq) - 1):
+        yield Segment(0, cq[s], cq[s + 1] - cq[s], ck[s], ck[s + 1] - ck[s])
+
+
+def validate_cu_seqlens(cu_seqlens_q, cu_seqlens_k, batch: int, sq: int, sk: int) -> None:
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if cu_seqlens_q is None:
+        return
+    if batch != 1:
+        raise ValueError(f"varlen inputs must have batch 1 (packed along the sequence axis), got {batch}")
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, sq), ("cu_seqlens_k", cu_seqlens_k, sk)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor")
+        if cu.numel() < 2:
+            raise ValueError(f"{name} must hold at least two offsets")
+        vals = cu.tolist()
+        if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
+            raise ValueError(f"{name} must start at 0 and be non-decreasing, got {vals}")
+        if vals[-1] > total:
+            raise ValueError(f"{name} ends at {vals[-1]} but the packed length is {total}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same number of sequences")
+
+
+def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra: Tuple[str, Optional[torch.Tensor]],
+                 check_finite: bool = True) -> None:
+    """Raise ValueError on inputs no backend can handle. ``extra`` are (name, tensor) pairs shaped like q."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, H, S, D), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, Hq, Sq, D = q.shape
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in (B, H, S), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must be (B={B}, Hkv, Sk, D={D}), got {tuple(k.shape)}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if Sq == 0 or k.shape[2] == 0:
+        raise ValueError(f"empty sequence: Sq={Sq}, Sk={k.shape[2]}")
+    for name, t in extra:
+        if t is None:
+            continue
+        if t.shape[:3] != q.shape[:3] or t.shape[3] != v.shape[3]:
+            raise ValueError(f"{name} must have shape {tuple(q.shape[:3]) + (v.shape[3],)}, got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if check_finite:
+        for name, t in (("q", q), ("k", k), ("v", v)) + tuple(extra):
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} contains non-finite values")
+
+
+def normalize_lse(lse: torch.Tensor, batch: int, heads: int, sq: int) -> torch.Tensor:
+    """View any forward's natural-log LSE as (B, H, Sq) fp32 (no copy where possible).
+
+    Accepts SDPA flash / FA2 (B, H, S); SDPA efficient (B, H, ceil(S/32)*32), padded; cuDNN (B, H, S, 1),
+    possibly strided; FA2/FA3 varlen (H, total) when ``batch == 1``.
+    """
+    if lse.dim() == 4 and lse.shape[-1] == 1:
+        lse = lse.squeeze(-1)
+    if lse.dim() == 2 and batch == 1:
+        lse = lse.unsqueeze(0)
+    if lse.dim() != 3 or lse.shape[0] != batch or lse.shape[1] != heads or lse.shape[2] < sq:
+        raise ValueError(f"cannot read an LSE of shape {tuple(lse.shape)} as (B={batch}, H={heads}, S={sq})")
+    lse = lse[..., :sq]
+    return lse if lse.dtype == torch.float32 else lse.float()
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-(mantissa bits + 1): 2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32."""
+    return {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24,
+            torch.float64: 2.0 ** -53}[dtype]
