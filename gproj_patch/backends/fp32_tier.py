@@ -1,0 +1,232 @@
+"""The FP32 attention tier (the fallback): forward and backward recomputed in FP32, with the GProj projection.
+
+Inputs may be BF16/FP16 (taken at their exact values) or FP32; results are fp32 (callers cast back).
+Work is chunked over queries: one chunk holds (B', Hq, chunk, Sk) fp32 blocks, the chunk length chosen so a
+handful of such blocks fit ``memory_budget`` bytes (default 256 MiB), so memory is O(chunk·Sk) per (b, h),
+never S×S for large S. TF32 is disabled for these matmuls (``torch.set_float32_matmul_precision("highest")``
+inside the call, restored afterwards).
+
+Backward of one query chunk (full key rows, so the softmax is exact in fp32 without a saved LSE):
+
+    S = α Q Kᵀ [softcap: c·tanh(S/c), τ' = 1 − tanh²] [+ attn_mask],   P = softmax(S),   Z = dropout keep/(1−p)
+    O = (P∘Z) V   (recomputed fp32 output),   D = rowsum(dO ∘ O),   dP = (dO Vᵀ) ∘ Z,   G = P ∘ (dP − D)
+    λ = Σ_j G / Σ_j P                         (project=True; λ = 0 for rows that see no key)
+    dq = α (G' K − λ · P' K),   dk = α (G'ᵀ Q − (λ P')ᵀ Q),   dv = (P∘Z)ᵀ dO
+    with G' = G ∘ τ', P' = P ∘ τ' under softcap (the projection acts on the capped-score gradient, where the
+    zero row sum holds), G' = G, P' = P otherwise.
+
+The projection is in the non-materialized form of GProj (the two products are never merged into one
+rounded G − λP). ``project=False`` gives plain FP32 attention, which leaks in the sink regime (DESIGN §1).
+
+``attn_mask``: bool (True = attend) or additive float, broadcastable to (B, Hq, Sq, Sk) as in SDPA (added
+after softcap); not combined with varlen. Rows that see no key: output 0, LSE = −inf, zero gradients
+(SDPA would give NaN there).
+
+Dropout: the keep mask is a deterministic function of (dropout_seed, batch, head, query position, key
+position) — a counter-based integer hash, so it is identical in forward and backward and independent of the
+chunking. It is NOT the RNG stream of any fused kernel: gradients match a fused kernel's only in
+distribution, not sample by sample. ``dropout_p > 0`` requires ``dropout_seed``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from .emulation import tile_scores
+from .spec import MaskSpec, default_scale, segments, validate_cu_seqlens, validate_qkv
+
+DEFAULT_MEMORY_BUDGET = 256 << 20
+_BLOCKS_PER_CHUNK = 10  # fp32 (chunk × Sk) temporaries alive at once in the backward, roughly
+_MASK32 = 0xFFFFFFFF
+
+
+@contextlib.contextmanager
+def _no_tf32():
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors (constants < 2^31 so products stay inside int64)."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x46CA68BB) & _MASK32
+    x = x ^ (x >> 16)
+    return x
+
+
+def dropout_keep(seed: int, batch: int, heads: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                 p: float) -> torch.Tensor:
+    """Deterministic keep mask (heads, rows, cols) for global query positions ``rows`` and keys ``cols``."""
+    h = _mix(torch.full_like(heads, (int(seed) * 0x2545F491 + batch * 0x3C6EF372) & _MASK32) ^ heads)
+    h = _mix(h[:, None] ^ (rows[None, :] * 0x1B873593))
+    h = _mix(h[:, :, None] ^ (cols[None, None, :] * 0x5BD1E995))
+    return h.to(torch.float64) >= p * 4294967296.0
+
+
+def _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_q, cu_k, extra=()):
+    validate_qkv(q, k, v, *extra)
+    validate_cu_seqlens(cu_q, cu_k, q.shape[0], q.shape[2], k.shape[2])
+    if not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed (the mask is regenerated from it in the backward)")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise ValueError("attn_mask must be a tensor")
+        if cu_q is not None:
+            raise ValueError("attn_mask cannot be combined with cu_seqlens (varlen)")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
+        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        try:
+            if attn_mask.dim() > 4:
+                raise RuntimeError
+            torch.broadcast_shapes(attn_mask.shape, target)
+        except RuntimeError:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target}") from None
+
+
+def _chunk_len(rows_per_block: int, kl: int, budget: int, chunk_size: Optional[int]) -> int:
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be positive")
+        return int(chunk_size)
+    return max(1, budget // (4 * _BLOCKS_PER_CHUNK * max(1, rows_per_block * kl)))
+
+
+class _Chunk:
+    __slots__ = ("bs", "rows", "keys", "q", "k", "v", "p", "z", "tau", "lse")
+
+
+def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu_q, cu_k, budget, chunk_size
+          ) -> Iterator[_Chunk]:
+    """Yield the fp32 probabilities of each query chunk (full key rows) with what the backward needs."""
+    B, Hq, Sq, _ = q.shape
+    Sk = k.shape[2]
+    group = Hq // k.shape[1]
+    full = (B, Hq, Sq, Sk)
+    amask = None
+    if attn_mask is not None:
+        amask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(full)
+    units = ([(slice(None), 0, Sq, 0, Sk)] if cu_q is None else
+             [(slice(s.batch, s.batch + 1), s.q_start, s.q_len, s.k_start, s.k_len)
+              for s in segments(B, Sq, Sk, cu_q, cu_k)])
+    heads = torch.arange(Hq, device=q.device, dtype=torch.int64)
+    for bs, qs, ql, ks, kl in units:
+        if ql == 0 or kl == 0:
+            continue
+        keys = slice(ks, ks + kl)
+        K = k[bs, :, keys].to(torch.float32).repeat_interleave(group, dim=1)
+        V = v[bs, :, keys].to(torch.float32).repeat_interleave(group, dim=1)
+        nb = K.shape[0]
+        step = _chunk_len(nb * Hq, kl, budget, chunk_size)
+        for c0 in range(0, ql, step):
+            c1 = min(ql, c0 + step)
+            rows = slice(qs + c0, qs + c1)
+            Q = q[bs, :, rows].to(torch.float32)
+            s, tau, vis = tile_scores(Q, K, alpha, spec, c0, 0, ql, kl)
+            if amask is not None:
+                mb = amask[bs, :, rows, keys]
+                s = s.masked_fill(~mb, float("-inf")) if mb.dtype == torch.bool else s + mb.to(torch.float32)
+            if vis is not None:
+                s = s.masked_fill(~vis, float("-inf"))
+            m = s.amax(-1, keepdim=True)
+            dead = torch.isneginf(m)
+            e = torch.exp(s - torch.where(dead, torch.zeros_like(m), m))
+            l = e.sum(-1, keepdim=True)
+            p = torch.where(dead, torch.zeros_like(e), e / torch.where(dead, torch.ones_like(l), l))
+            ch = _Chunk()
+            ch.bs, ch.rows, ch.keys, ch.q, ch.k, ch.v, ch.p, ch.tau = bs, rows, keys, Q, K, V, p, tau
+            ch.lse = torch.where(dead, m, m + torch.log(torch.where(dead, torch.ones_like(l), l))).squeeze(-1)
+            ch.z = None
+            if dropout_p > 0:
+                bidx = list(range(B))[bs]
+                z = torch.stack([dropout_keep(dropout_seed, b, heads,
+                                              torch.arange(qs + c0, qs + c1, device=q.device),
+                                              torch.arange(ks, ks + kl, device=q.device), dropout_p)
+                                 for b in bidx])
+                ch.z = z.to(torch.float32) / (1.0 - dropout_p)
+            yield ch
+
+
+def _mask_spec(causal, causal_align, window, softcap) -> MaskSpec:
+    return MaskSpec(bool(causal), causal_align, tuple(window), float(softcap))
+
+
+def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                 scale: Optional[float] = None, causal: bool = False, causal_align: str = "top_left",
+                 window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                 chunk_size: Optional[int] = None, memory_budget: int = DEFAULT_MEMORY_BUDGET
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FP32 attention output (B, Hq, Sq, Dv) fp32 and natural-log LSE (B, Hq, Sq) fp32 (−inf: no key seen)."""
+    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k)
+    spec = _mask_spec(causal, causal_align, window, softcap)
+    alpha = default_scale(q.shape[-1], scale)
+    B, Hq, Sq, _ = q.shape
+    out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+    with _no_tf32():
+        for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
+                        memory_budget, chunk_size):
+            pd = ch.p if ch.z is None else ch.p * ch.z
+            out[ch.bs, :, ch.rows] = torch.matmul(pd, ch.v)
+            lse[ch.bs, :, ch.rows] = ch.lse
+    return out, lse
+
+
+def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                  project: bool = True, scale: Optional[float] = None, causal: bool = False,
+                  causal_align: str = "top_left", window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
+                  cu_seqlens_k=None, chunk_size: Optional[int] = None, memory_budget: int = DEFAULT_MEMORY_BUDGET
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) fp32 of ⟨do, attention(q, k, v)⟩, recomputed in FP32; GProj projection unless project=False.
+
+    dk/dv are summed over each query-head group (GQA). Rows that see no key get zero gradients.
+    """
+    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, extra=(("do", do),))
+    spec = _mask_spec(causal, causal_align, window, softcap)
+    alpha = default_scale(q.shape[-1], scale)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    dq = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
+    dk_full = torch.zeros(B, Hq, Sk, D, dtype=torch.float32, device=q.device)
+    dv_full = torch.zeros(B, Hq, Sk, v.shape[-1], dtype=torch.float32, device=q.device)
+    with _no_tf32():
+        for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
+                        memory_budget, chunk_size):
+            dO = do[ch.bs, :, ch.rows].to(torch.float32)
+            p = ch.p
+            pd = p if ch.z is None else p * ch.z
+            dP = torch.matmul(dO, ch.v.transpose(-1, -2))
+            if ch.z is not None:
+                dP = dP * ch.z
+            Dr = (dO * torch.matmul(pd, ch.v)).sum(-1, keepdim=True)
+            g = p * (dP - Dr)
+            dv_full[ch.bs, :, ch.keys] += torch.matmul(pd.transpose(-1, -2), dO)
+            gt = g if ch.tau is None else g * ch.tau
+            dqc = torch.matmul(gt, ch.k)
+            dkc = torch.matmul(gt.transpose(-1, -2), ch.q)
+            if project:
+                msum = p.sum(-1, keepdim=True)
+                lam = torch.where(msum > 0, g.sum(-1, keepdim=True) / torch.where(msum > 0, msum, 1.0),
+                                  torch.zeros_like(msum))
+                pt = p if ch.tau is None else p * ch.tau
+                dqc = dqc - lam * torch.matmul(pt, ch.k)
+                dkc = dkc - torch.matmul((lam * pt).transpose(-1, -2), ch.q)
+            dq[ch.bs, :, ch.rows] = alpha * dqc
+            dk_full[ch.bs, :, ch.keys] += alpha * dkc
+    dk = dk_full.view(B, Hkv, group, Sk, D).sum(2)
+    dv = dv_full.view(B, Hkv, group, Sk, -1).sum(2)
+    return dq, dk, dv
