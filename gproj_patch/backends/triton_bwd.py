@@ -1,0 +1,293 @@
+"""The GProj attention backward as Triton kernels (bf16/fp16 inputs, fp32 accumulation).
+
+``gproj_backward(do, q, k, v, o, lse, ...)`` returns (dq, dk, dv) in the input dtype. With r = low(P) (the
+operand a fused backward already forms for dV), t = low(dS), ρ_i = Σ_j t_ij, m_i = Σ_j r_ij, λ_i = ρ_i / m_i:
+
+    dq_i = α ( Σ_j t_ij k_j − λ_i Σ_j r_ij k_j )
+    dk_j = α ( Σ_i t_ij q_i − Σ_i low(λ_i r_ij) q_i )       (dk_form "two_product", the paper's form)
+        or α Σ_i low(P_ij (dP_ij − D_i − λ_i)) q_i          (dk_form "fused": one product, re-rounded)
+    dv_j = Σ_i r_ij dO_i
+
+``t − λr`` is never rounded again (the dq correction is applied to the fp32 accumulators). ``correct=False``
+runs the same kernels without the r·K product, the row sums and λ: a standard fused backward, for
+measurement.
+
+**Where D comes from.** D_i = Σ_d dO_id O_id is computed (fp32) from the *saved low-precision output*, as
+every fused backward does (FA's preprocess). Recomputing it as Σ_j P_ij dP_ij would need a whole extra pass
+over the keys before the dq pass. The saved-output D carries a rounding error that is a multiple of p_i
+per row (the "forward channel"); the projection removes exactly such multiples, so after GProj it costs
+nothing — this is why the cheap form is safe here and is not safe in an uncorrected kernel.
+
+**Structure.** Three launches (``triton_kernels.py``): a preprocess (D and a base-2 LSE, -inf rows made
++inf so that fully masked rows get exactly zero gradients), a dQ-major kernel (dq, and λ written to an fp32
+(B·H·S) scratch; the row sums ρ, m are dots with a one-hot matrix so they run on the tensor cores), and a
+KV-major kernel (dk, dv, reading λ). Extra memory: three fp32 (B·H·Sq) buffers (D, LSE, λ) — never O(S²).
+
+**Features.** bf16 and fp16; any head dim up to 256 (padded to a power of two inside the kernel; 32, 64, 96,
+128, 256 are the supported sizes callers can count on); any lengths, Sq ≠ Sk; ``causal`` with
+``causal_align`` "top_left" (SDPA) or "bottom_right" (flash-attn); sliding ``window=(left, right)``; GQA/MQA
+(the KV-major program loops over the query heads of its group: dk/dv are reduced in registers, K/V are never
+copied); varlen (B = 1 with ``cu_seqlens_q/k``; ``max_seqlen_*`` avoid a device sync); arbitrary strides on
+every input, LSE (B, H, S) fp32 any strides (any layout ``spec.normalize_lse`` accepts is read through it).
+The kernels use no atomics, so results are bitwise deterministic; ``deterministic=True`` is accepted and
+changes nothing.
+
+**Not supported** (``kernel_unsupported_reason`` says so; callers fall back to the FP32 tier):
+``softcap > 0`` — with a softcap the zero row sum belongs to dS *before* the tanh derivative
+(g_ij = P(dP − D) has Σ_j g = 0, but the rounded operand is t = low(g ∘ (1 − tanh²)), whose row sum is not
+zero even exactly), so the projection t − λr is wrong there; the right projection weighs r by the tanh
+derivative and needs another rounded product, not written yet. Also not supported: ``attn_mask``, dropout,
+fp32/fp64 inputs, head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, DESIGN.md §3).
+
+**CPU.** With ``GPROJ_TIER=triton`` or ``TRITON_INTERPRET=1`` in the environment, CPU fp16 tensors run the same
+kernels through Triton's interpreter (slow; meant for CI). The interpreted copy of the kernels is loaded
+separately, so this works whatever order triton was imported in.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import sys
+import threading
+from typing import Optional, Tuple
+
+import torch
+
+from .spec import MaskSpec, default_scale, normalize_lse, validate_cu_seqlens, validate_qkv
+
+try:  # pragma: no cover - import guard
+    import triton  # noqa: F401
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover
+    _HAS_TRITON = False
+
+DK_FORMS = ("two_product", "fused")
+#: dk form used when none is asked for (chosen on the H200 suite, see BENCHMARKS.md)
+DEFAULT_DK_FORM = "two_product"
+
+# Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels.
+CONFIGS = {
+    "dq": {32: (128, 64, 4, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 8, 1)},
+    "dkdv": {32: (64, 128, 4, 2), 64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 8, 1)},
+}
+_INTERP_BLOCK = 16
+
+_lock = threading.Lock()
+_modules = {}
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or \
+        os.environ.get("GPROJ_TIER", "").lower() == "triton"
+
+
+def _kernels(interpret: bool):
+    """The kernel module, compiled (CUDA) or interpreted (CPU tensors), each loaded once."""
+    key = "interp" if interpret else "cuda"
+    with _lock:
+        mod = _modules.get(key)
+        if mod is not None:
+            return mod
+        path = os.path.join(os.path.dirname(__file__), "triton_kernels.py")
+        name = f"gproj_patch.backends._triton_kernels_{key}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+        try:
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+        _modules[key] = mod
+        return mod
+
+
+@contextlib.contextmanager
+def _interpreter_patch():
+    """Triton 3.6's interpreter converts loop bounds with ``int(ndarray of shape (1,))``, which numpy >= 2.4
+    rejects; while our interpreted kernels run, convert through ``.reshape(-1)[0]`` instead."""
+    try:
+        import triton.runtime.interpreter as ti
+        orig = ti._patch_lang_tensor
+    except Exception:  # pragma: no cover - other triton versions
+        yield
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched
+    try:
+        yield
+    finally:
+        ti._patch_lang_tensor = orig
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
+                              attn_mask=None, softcap: float = 0.0, **_ignored) -> Optional[str]:
+    """None when ``gproj_backward`` handles these inputs; otherwise a short reason for the fallback log."""
+    if not _HAS_TRITON:
+        return "no triton"
+    if attn_mask is not None:
+        return "attn_mask"
+    if dropout_p and dropout_p > 0.0:
+        return "dropout"
+    if softcap and softcap > 0.0:
+        return "softcap"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype={str(q.dtype).replace('torch.', '')}"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "mixed dtypes"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "not 4-D"
+    d = q.shape[-1]
+    if d > 256 or k.shape[-1] != d or v.shape[-1] != d:
+        return f"head_dim={d}" if d > 256 else "head dims differ"
+    if d < 1:
+        return f"head_dim={d}"
+    if q.device.type == "cuda":
+        return None
+    if q.device.type == "cpu":
+        if not _interpret_env():
+            return "cpu tensor without GPROJ_TIER=triton/TRITON_INTERPRET=1"
+        if q.dtype == torch.bfloat16:
+            return "bfloat16 under the Triton interpreter (inexact)"
+        return None
+    return f"device={q.device.type}"
+
+
+def _check_lse(lse: torch.Tensor, B: int, H: int, S: int) -> torch.Tensor:
+    lse = normalize_lse(lse, B, H, S)
+    return lse
+
+
+def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   lse: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
+                   causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                   cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                   max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                   correct: bool = True, deterministic: bool = False, dk_form: Optional[str] = None,
+                   _config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GProj backward of attention: (dq, dk, dv) in the input dtype. See the module docstring.
+
+    Shapes follow ``spec.py``: q, o, do (B, Hq, Sq, D); k, v (B, Hkv, Sk, D); any strides; lse the
+    forward's natural-log LSE in any layout ``spec.normalize_lse`` reads (normally (B, Hq, Sq) fp32).
+    ``dk_form`` ("two_product" | "fused") picks the dk contraction (default ``DEFAULT_DK_FORM``).
+    Raises ValueError when ``kernel_unsupported_reason`` is not None.
+    """
+    mask = MaskSpec(causal=bool(causal), causal_align=causal_align, window=tuple(int(w) for w in window),
+                    softcap=float(softcap))
+    reason = kernel_unsupported_reason(q, k, v, softcap=softcap)
+    if reason is not None:
+        raise ValueError(f"gproj_backward cannot run these inputs: {reason}")
+    validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
+    B, H, SQ, D = q.shape
+    HKV, SK = k.shape[1], k.shape[2]
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if cu_seqlens_q is not None and B != 1:
+        raise ValueError(f"varlen inputs must have batch 1, got {B}")
+    if cu_seqlens_q is not None and (max_seqlen_q is None or max_seqlen_k is None or q.device.type == "cpu"):
+        validate_cu_seqlens(cu_seqlens_q, cu_seqlens_k, B, SQ, SK)  # syncs; skipped on GPU with max_seqlen
+    dk_form = DEFAULT_DK_FORM if dk_form is None else dk_form
+    if dk_form not in DK_FORMS:
+        raise ValueError(f"dk_form must be one of {DK_FORMS}, got {dk_form!r}")
+    if o.dtype != q.dtype or do.dtype != q.dtype:
+        o = o.to(q.dtype)
+        do = do.to(q.dtype)
+    lse = _check_lse(lse, B, H, SQ)
+    alpha = default_scale(D, scale)
+
+    interpret = q.device.type != "cuda"
+    km = _kernels(interpret)
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+        cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+        nseq = cu_q.numel() - 1
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_q[1:] - cu_q[:-1]).max().item()) if nseq > 0 else 0
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max().item()) if nseq > 0 else 0
+        dq = torch.zeros_like(q)
+        dk = torch.zeros_like(k)
+        dv = torch.zeros_like(v)
+        Z, MQ, MK = nseq, max_seqlen_q, max_seqlen_k
+    else:
+        cu_q = cu_k = torch.zeros(1, dtype=torch.int32, device=q.device)
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        Z, MQ, MK = B, SQ, SK
+    if Z == 0:
+        return dq, dk, dv
+
+    # window form of the mask: key j visible from query i iff diag-left <= j <= diag+right, diag = i + shift
+    left, right = mask.window
+    if mask.causal:
+        right = 0
+    has_l, has_r = left >= 0, right >= 0
+    bottom_right = mask.causal_align == "bottom_right"
+
+    BD = _block_d(D)
+    cfg = dict(_config or {})
+    if interpret:
+        bm_q = bn_q = bm_k = bn_k = _INTERP_BLOCK
+        w_q = w_k = 4
+        st_q = st_k = 1
+    else:
+        bm_q, bn_q, w_q, st_q = cfg.get("dq") or CONFIGS["dq"][BD]
+        bm_k, bn_k, w_k, st_k = cfg.get("dkdv") or CONFIGS["dkdv"][BD]
+
+    delta = torch.empty((B * H, SQ), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    lam = torch.empty_like(delta) if correct else delta  # placeholder pointer when uncorrected
+
+    with (_interpreter_patch() if interpret else contextlib.nullcontext()):
+        _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu_q, cu_k, varlen, Z, MQ, MK,
+                H, HKV, SQ, SK, D, BD, left, right, has_l, has_r, bottom_right, alpha, bool(correct),
+                dk_form == "fused", (bm_q, bn_q, w_q, st_q), (bm_k, bn_k, w_k, st_k))
+    return dq, dk, dv
+
+
+def _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu_q, cu_k, varlen, Z, MQ, MK,
+            H, HKV, SQ, SK, D, BD, left, right, has_l, has_r, bottom_right, alpha, correct, fused, cq, ck):
+    bm_q, bn_q, w_q, st_q = cq
+    bm_k, bn_k, w_k, st_k = ck
+    B = q.shape[0]
+    even_d = BD == D
+    BS = 16 if interpret else 64
+    km._preprocess[(triton.cdiv(SQ, BS), B * H)](
+        o, do, lse, delta, lse2,
+        *o.stride(), *do.stride(), *lse.stride(),
+        H, SQ, D, BLOCK_S=BS, BLOCK_D=BD, num_warps=4)
+
+    group = H // HKV
+    common = dict(BOTTOM_RIGHT=bottom_right, HAS_L=has_l, HAS_R=has_r, VARLEN=varlen, CORRECT=correct,
+                  EVEN_D=even_d)
+    if MQ == 0 or MK == 0:
+        return  # every sequence empty on one side: gradients are the zeros already there
+    km._bwd_dq[(triton.cdiv(MQ, bm_q), H, Z)](
+        q, k, v, do, dq, delta, lse2, lam, cu_q, cu_k,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e),
+        EVEN_M=(not varlen) and SQ % bm_q == 0, EVEN_N=(not varlen) and SK % bn_q == 0,
+        BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=BD, num_warps=w_q, num_stages=st_q, **common)
+    km._bwd_dkdv[(triton.cdiv(MK, bn_k), HKV, Z)](
+        q, k, v, do, dk, dv, delta, lse2, lam, cu_q, cu_k,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e),
+        FUSED=fused,
+        EVEN_M=(not varlen) and SQ % bm_k == 0, EVEN_N=(not varlen) and SK % bn_k == 0,
+        BLOCK_M=bm_k, BLOCK_N=bn_k, BLOCK_D=BD, num_warps=w_k, num_stages=st_k, **common)

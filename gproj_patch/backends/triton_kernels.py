@@ -1,0 +1,355 @@
+"""Triton kernels of the GProj backward (launched from ``triton_bwd.py``; see its docstring for the math).
+
+Three launches:
+
+* ``_preprocess``: D_i = rowsum(dO_i ∘ O_i) from the saved low-precision output (fp32 accumulation), and the
+  LSE rewritten in base 2 with -inf rows turned into +inf (so every P of a fully masked row is exactly 0).
+* ``_bwd_dq``: dQ-major. One program per (query block, query head, batch or sequence). Accumulates
+  t·K (t = low(dS)), r·K (r = low(P)) and the row sums ρ = Σt, m = Σr (on the tensor cores, as a dot with a
+  one-hot column), then writes dq = α(tK − λ·rK) and λ = ρ/m to an fp32 (B·H·S) scratch.
+* ``_bwd_dkdv``: KV-major. One program per (key block, KV head, batch or sequence); it loops over the query
+  heads of its GQA group, so dk/dv are reduced over the group inside one program (no atomics, no copy of K/V,
+  deterministic). dv = Σ r·dO; dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ ("fused").
+
+Masking (causal in both alignments, window) is expressed as a window (left, right) around the diagonal
+``i + shift``; causal is right = 0. Each kernel splits its loop into masked edge tiles and unmasked interior
+tiles. The module is loaded twice by ``triton_bwd`` when needed: compiled (CUDA) and interpreted
+(``TRITON_INTERPRET=1``, CPU tensors); do not import it directly.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _rowsum(x):
+    # tl.reduce with our own combine function, not the standard library's sum: that one is a triton.jit
+    # function, compiled or interpreted depending on how triton was first imported, while this module is
+    # loaded in both modes (see triton_bwd._kernels).
+    return tl.reduce(x, 1, _add)
+
+
+@triton.jit
+def _segment(CU_Q, CU_K, z, SQ, SK, VARLEN: tl.constexpr):
+    """(batch, q_start, q_len, k_start, k_len) of problem z: a batch entry, or one varlen sequence."""
+    if VARLEN:
+        q_start = tl.load(CU_Q + z).to(tl.int32)
+        q_len = tl.load(CU_Q + z + 1).to(tl.int32) - q_start
+        k_start = tl.load(CU_K + z).to(tl.int32)
+        k_len = tl.load(CU_K + z + 1).to(tl.int32) - k_start
+        b = z * 0
+    else:
+        q_start = z * 0
+        q_len = SQ + z * 0
+        k_start = z * 0
+        k_len = SK + z * 0
+        b = z
+    return b.to(tl.int64), q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _load_pair(A, B, sa_s, sa_d, sb_s, sb_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
+    """Two (len(offs), BLOCK_D) tiles of rows ``offs`` (rows >= n and columns >= HEAD_DIM read as 0)."""
+    if EVEN:
+        a = tl.load(A + offs[:, None] * sa_s + offs_d[None, :] * sa_d)
+        b = tl.load(B + offs[:, None] * sb_s + offs_d[None, :] * sb_d)
+    else:
+        m = (offs[:, None] < n) & (offs_d[None, :] < HEAD_DIM)
+        a = tl.load(A + offs[:, None] * sa_s + offs_d[None, :] * sa_d, mask=m, other=0.0)
+        b = tl.load(B + offs[:, None] * sb_s + offs_d[None, :] * sb_d, mask=m, other=0.0)
+    return a, b
+
+
+@triton.jit
+def _store_tile(P, x, s_s, s_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(P + offs[:, None] * s_s + offs_d[None, :] * s_d, x.to(P.dtype.element_ty))
+    else:
+        tl.store(P + offs[:, None] * s_s + offs_d[None, :] * s_d, x.to(P.dtype.element_ty),
+                 mask=(offs[:, None] < n) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _preprocess(O, DO, LSE, Delta, LSE2,
+                so_b, so_h, so_s, so_d,
+                sdo_b, sdo_h, sdo_s, sdo_d,
+                sl_b, sl_h, sl_s,
+                H, S, HEAD_DIM,
+                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    ms = offs_s < S
+    md = offs_d < HEAD_DIM
+    m2 = ms[:, None] & md[None, :]
+    o = tl.load(O + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :] * so_d, mask=m2, other=0.0)
+    do = tl.load(DO + b * sdo_b + h * sdo_h + offs_s[:, None] * sdo_s + offs_d[None, :] * sdo_d, mask=m2,
+                 other=0.0)
+    delta = _rowsum(o.to(tl.float32) * do.to(tl.float32))
+    lse = tl.load(LSE + b * sl_b + h * sl_h + offs_s * sl_s, mask=ms, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    out = pid_bh.to(tl.int64) * S + offs_s
+    tl.store(Delta + out, delta, mask=ms)
+    tl.store(LSE2 + out, lse2, mask=ms)
+
+
+@triton.jit
+def _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, offs_m, start_n,
+             K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right, scale_log2,
+             offs_d, HEAD_DIM,
+             MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
+             EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k, v = _load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM, EVEN_N and EVEN_D)
+    s = tl.dot(q, tl.trans(k))
+    p = tl.math.exp2(s * scale_log2 - lse2[:, None])
+    if MASK:
+        vis = offs_n[None, :] < k_len
+        diag = offs_m[:, None] + shift
+        if HAS_R:
+            vis = vis & (offs_n[None, :] <= diag + win_right)
+        if HAS_L:
+            vis = vis & (offs_n[None, :] >= diag - win_left)
+        p = tl.where(vis, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    t = ds.to(q.dtype)
+    acc = tl.dot(t, k, acc)
+    if CORRECT:
+        r = p.to(q.dtype)
+        racc = tl.dot(r, k, racc)
+        sacc = tl.dot(t, e0, sacc)
+        sacc = tl.dot(r, e1, sacc)
+    return acc, racc, sacc
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, CU_Q, CU_K,
+            sq_b, sq_h, sq_s, sq_d,
+            sk_b, sk_h, sk_s, sk_d,
+            sv_b, sv_h, sv_s, sv_d,
+            sdo_b, sdo_h, sdo_s, sdo_d,
+            sdq_b, sdq_h, sdq_s, sdq_d,
+            H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2,
+            BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
+            VARLEN: tl.constexpr, CORRECT: tl.constexpr,
+            EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) blocks first
+    h = tl.program_id(1)
+    z = tl.program_id(2)
+    b64, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, z, SQ, SK, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 < q_len:
+        if BOTTOM_RIGHT:
+            shift = k_len - q_len
+        else:
+            shift = 0
+        hk = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        Q_base = Q + b64 * sq_b + h.to(tl.int64) * sq_h + q_start.to(tl.int64) * sq_s
+        DO_base = DO + b64 * sdo_b + h.to(tl.int64) * sdo_h + q_start.to(tl.int64) * sdo_s
+        K_base = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_s
+        V_base = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_s
+        row = (b64 * H + h) * SQ + q_start + offs_m
+        q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
+                           EVEN_M and EVEN_D)
+        if EVEN_M:
+            lse2 = tl.load(LSE2 + row)
+            delta = tl.load(Delta + row)
+        else:
+            lse2 = tl.load(LSE2 + row, mask=offs_m < q_len, other=float("inf"))
+            delta = tl.load(Delta + row, mask=offs_m < q_len, other=0.0)
+
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+        racc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+        sacc = tl.full([BLOCK_M, 16], 0.0, tl.float32)
+        col = tl.arange(0, 16)
+        nn = tl.arange(0, BLOCK_N)
+        e0 = tl.where((nn[:, None] >= 0) & (col[None, :] == 0), 1.0, 0.0).to(q.dtype)
+        e1 = tl.where((nn[:, None] >= 0) & (col[None, :] == 1), 1.0, 0.0).to(q.dtype)
+
+        # key range [lo, hi) seen by rows [m0, m0 + BLOCK_M), and the fully visible tiles [full_lo, full_hi)
+        lo = z * 0
+        hi = k_len
+        if HAS_L:
+            lo = tl.maximum(m0 + shift - win_left, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        if HAS_R:
+            hi = tl.minimum(hi, m0 + BLOCK_M + shift + win_right)
+        hi = tl.maximum(hi, lo)
+        hi_al = ((hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        full_lo = lo
+        if HAS_L:
+            first = tl.maximum(m0 + BLOCK_M - 1 + shift - win_left, 0)
+            full_lo = tl.maximum(full_lo, ((first + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+        full_lo = tl.minimum(full_lo, hi_al)
+        full_hi = hi_al
+        if HAS_R:
+            last = tl.maximum(m0 + shift + win_right + 1, 0)
+            full_hi = tl.minimum(full_hi, (last // BLOCK_N) * BLOCK_N)
+        if not EVEN_N:
+            full_hi = tl.minimum(full_hi, (k_len // BLOCK_N) * BLOCK_N)
+        full_hi = tl.maximum(full_hi, full_lo)
+
+        for start_n in range(lo, full_lo, BLOCK_N):
+            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, offs_m, start_n,
+                                       K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
+                                       win_right, scale_log2, offs_d, HEAD_DIM,
+                                       True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, offs_m, start_n,
+                                       K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
+                                       win_right, scale_log2, offs_d, HEAD_DIM,
+                                       False, HAS_L, HAS_R, CORRECT, True, EVEN_D, BLOCK_N)
+        for start_n in range(full_hi, hi, BLOCK_N):
+            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, offs_m, start_n,
+                                       K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
+                                       win_right, scale_log2, offs_d, HEAD_DIM,
+                                       True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N)
+
+        if CORRECT:
+            rho = _rowsum(tl.where(col[None, :] == 0, sacc, 0.0))
+            msum = _rowsum(tl.where(col[None, :] == 1, sacc, 0.0))
+            lam = tl.where(msum > 0.0, rho / tl.where(msum > 0.0, msum, 1.0), 0.0)
+            dq = (acc - lam[:, None] * racc) * scale
+            if EVEN_M:
+                tl.store(LAM + row, lam)
+            else:
+                tl.store(LAM + row, lam, mask=offs_m < q_len)
+        else:
+            dq = acc * scale
+        _store_tile(DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s, dq, sdq_s, sdq_d,
+                    offs_m, q_len, offs_d, HEAD_DIM, EVEN_M and EVEN_D)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
+               LSE2, Delta, LAM, row0, q_len, shift, win_left, win_right, scale_log2, offs_d, HEAD_DIM,
+               MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
+               FUSED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN_M and EVEN_D)
+    if EVEN_M:
+        lse2 = tl.load(LSE2 + row0 + offs_m)
+        delta = tl.load(Delta + row0 + offs_m)
+        if CORRECT:
+            lam = tl.load(LAM + row0 + offs_m)
+    else:
+        lse2 = tl.load(LSE2 + row0 + offs_m, mask=offs_m < q_len, other=float("inf"))
+        delta = tl.load(Delta + row0 + offs_m, mask=offs_m < q_len, other=0.0)
+        if CORRECT:
+            lam = tl.load(LAM + row0 + offs_m, mask=offs_m < q_len, other=0.0)
+    sT = tl.dot(k, tl.trans(q))
+    pT = tl.math.exp2(sT * scale_log2 - lse2[None, :])
+    if MASK:
+        diag = offs_m[None, :] + shift
+        vis = offs_m[None, :] < q_len
+        if HAS_R:
+            vis = vis & (offs_n[:, None] <= diag + win_right)
+        if HAS_L:
+            vis = vis & (offs_n[:, None] >= diag - win_left)
+        pT = tl.where(vis, pT, 0.0)
+    dpT = tl.dot(v, tl.trans(do))
+    rT = pT.to(q.dtype)
+    dv = tl.dot(rT, do, dv)
+    if CORRECT:
+        if FUSED:
+            dk = tl.dot((pT * (dpT - delta[None, :] - lam[None, :])).to(q.dtype), q, dk)
+        else:
+            dk = tl.dot((pT * (dpT - delta[None, :])).to(q.dtype), q, dk)
+            dk = tl.dot((-(lam[None, :] * rT.to(tl.float32))).to(q.dtype), q, dk)
+    else:
+        dk = tl.dot((pT * (dpT - delta[None, :])).to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
+              sq_b, sq_h, sq_s, sq_d,
+              sk_b, sk_h, sk_s, sk_d,
+              sv_b, sv_h, sv_s, sv_d,
+              sdo_b, sdo_h, sdo_s, sdo_d,
+              sdk_b, sdk_h, sdk_s, sdk_d,
+              sdv_b, sdv_h, sdv_s, sdv_d,
+              H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2,
+              BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
+              VARLEN: tl.constexpr, CORRECT: tl.constexpr, FUSED: tl.constexpr,
+              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    z = tl.program_id(2)
+    b64, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, z, SQ, SK, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 < k_len:
+        if BOTTOM_RIGHT:
+            shift = k_len - q_len
+        else:
+            shift = 0
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        K_base = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_s
+        V_base = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_s
+        k, v = _load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM,
+                          EVEN_N and EVEN_D)
+        dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+        dv = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+
+        # query range [lo, hi) that sees keys [n0, n0 + BLOCK_N), and fully visible row tiles [full_lo, full_hi)
+        lo = z * 0
+        hi = q_len
+        if HAS_R:
+            lo = tl.maximum(n0 - shift - win_right, 0)
+            lo = (lo // BLOCK_M) * BLOCK_M
+        if HAS_L:
+            hi = tl.minimum(hi, n0 + BLOCK_N - shift + win_left)
+        hi = tl.maximum(hi, lo)
+        hi_al = ((hi + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        full_lo = lo
+        if HAS_R:
+            first = tl.maximum(n0 + BLOCK_N - 1 - shift - win_right, 0)
+            full_lo = tl.maximum(full_lo, ((first + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+        full_lo = tl.minimum(full_lo, hi_al)
+        full_hi = hi_al
+        if HAS_L:
+            last = tl.maximum(n0 - shift + win_left + 1, 0)
+            full_hi = tl.minimum(full_hi, (last // BLOCK_M) * BLOCK_M)
+        if not EVEN_M:
+            full_hi = tl.minimum(full_hi, (q_len // BLOCK_M) * BLOCK_M)
+        full_hi = tl.maximum(full_hi, full_lo)
+
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            Q_base = Q + b64 * sq_b + h.to(tl.int64) * sq_h + q_start.to(tl.int64) * sq_s
+            DO_base = DO + b64 * sdo_b + h.to(tl.int64) * sdo_h + q_start.to(tl.int64) * sdo_s
+            row0 = (b64 * H + h) * SQ + q_start
+            for start_m in range(lo, full_lo, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
+                                    LSE2, Delta, LAM, row0, q_len, shift, win_left, win_right, scale_log2,
+                                    offs_d, HEAD_DIM, True, HAS_L, HAS_R, CORRECT, FUSED, False, EVEN_D,
+                                    BLOCK_M)
+            for start_m in range(full_lo, full_hi, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
+                                    LSE2, Delta, LAM, row0, q_len, shift, win_left, win_right, scale_log2,
+                                    offs_d, HEAD_DIM, False, HAS_L, HAS_R, CORRECT, FUSED, True, EVEN_D,
+                                    BLOCK_M)
+            for start_m in range(full_hi, hi, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
+                                    LSE2, Delta, LAM, row0, q_len, shift, win_left, win_right, scale_log2,
+                                    offs_d, HEAD_DIM, True, HAS_L, HAS_R, CORRECT, FUSED, False, EVEN_D,
+                                    BLOCK_M)
+
+        dk = dk * scale
+        _store_tile(DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_s, dk, sdk_s, sdk_d,
+                    offs_n, k_len, offs_d, HEAD_DIM, EVEN_N and EVEN_D)
+        _store_tile(DV + b64 * sdv_b + hk.to(tl.int64) * sdv_h + k_start.to(tl.int64) * sdv_s, dv, sdv_s, sdv_d,
+                    offs_n, k_len, offs_d, HEAD_DIM, EVEN_N and EVEN_D)
