@@ -1,0 +1,151 @@
+"""Large-key regime detector: cheap statistics of one attention call, computed from tensors the backward has.
+
+Why these statistics (DESIGN.md §1). A fused low-precision backward multiplies t = low(dS) instead of dS;
+the row sums ρ_i = Σ_j t_ij are no longer zero, so α·ρ_i·μ_k leaks into dq (μ_k: the mean key). The true dq
+only sees the keys' *deviation* from their mean, so the relative leak grows with
+
+    R_k = ‖mean key‖ / key spread,        spread = RMS over keys of ‖k_j − mean key‖   (per (batch, KV head))
+
+and is predicted as ``2·u·R_k`` (u = 2⁻⁸ BF16, 2⁻¹¹ FP16; ``spec.unit_roundoff``). The same ratio for the
+queries, R_q, drives the *non-gauge* channel: a large common query offset enters dk legitimately, and the row
+projection of GProj does not remove the column errors of t, so GProj's dk error is predicted as ``2·u·R_q``.
+
+Reported per (batch, head) — key statistics per KV head, query and LSE statistics per query head:
+
+``r_k``, ``r_q``
+    the offset ratios above.
+``leak_dq`` = 2·u·r_k, ``leak_dk`` = 2·u·r_q
+    predicted relative gradient errors of an uncorrected low-precision backward (dq) and of GProj (dk).
+``logit_bound`` = scale · max_i ‖q_i‖₂ · max_j ‖k_j‖₂
+    a Cauchy–Schwarz bound on |s_ij|: large values mean exp() is steep and scores are far apart.
+``lse_gap`` = mean_i (LSE_i − scale·q_i·k̄)   (nats; k̄ = mean key)
+    the LSE minus the mean score of the row. By Jensen it is ≥ log(#visible keys) for every row; it equals
+    log(Sk) for uniform dense attention and grows as attention sharpens. Compare with ``log(Sk)``.
+``p_sink`` = mean_i exp(scale·q_i·k_0 − LSE_i)
+    the exact attention weight on key 0, averaged over rows: a lower bound of p_max at the usual sink
+    position (BOS). Near 1 means a sink, where the true dq is small and the relative leak is amplified by
+    roughly 1/(1 − p_sink). (Key 0 is visible from every row under both causal alignments; with a sliding
+    window it may not be, and this over-estimates.)
+
+Rows whose LSE is −inf (they see no key) are excluded from the row averages.
+
+Cost. The statistics read at most ``max_rows`` evenly strided rows of q and k per (batch, head) (all rows when
+S ≤ max_rows, the default 256), so the work is O(B·H·max_rows·D) — independent of the sequence length, against
+the backward's O(B·H·Sq·Sk·D). Sampled rows give statistical estimates of the means and spreads (relative error
+~1/sqrt(max_rows·D) on the spread); in the large-key regime the offset dominates and the estimate is tight.
+All per-call summaries leave the device in one transfer (``summary()``); ``compute`` itself does not sync.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from .backends.spec import unit_roundoff
+
+DEFAULT_MAX_ROWS = 256
+_TINY = 1e-30
+
+#: Names of the per-call summary values, in the order ``summary()`` returns them.
+SUMMARY_KEYS = ("r_k", "r_q", "leak_dq", "leak_dk", "logit_bound", "lse_gap", "p_sink", "log_sk")
+
+
+@dataclass
+class AttentionStats:
+    """Per-(batch, head) statistics of one attention call (fp32 tensors on the input's device)."""
+
+    r_k: torch.Tensor          # (B, Hkv)
+    r_q: torch.Tensor          # (B, Hq)
+    leak_dq: torch.Tensor      # (B, Hkv)   2·u·r_k
+    leak_dk: torch.Tensor      # (B, Hq)    2·u·r_q
+    logit_bound: torch.Tensor  # (B, Hq)
+    lse_gap: torch.Tensor      # (B, Hq)    nats
+    p_sink: torch.Tensor       # (B, Hq)
+    u: float
+    sk: int
+
+    def summary(self) -> Dict[str, float]:
+        """Worst case (max) over (batch, head) of every statistic, except ``lse_gap`` (mean over heads); one sync."""
+        vals = torch.stack([
+            self.r_k.max(), self.r_q.max(), self.leak_dq.max(), self.leak_dk.max(), self.logit_bound.max(),
+            _nanmean(self.lse_gap), _nanmax(self.p_sink),
+        ]).tolist()
+        out = dict(zip(SUMMARY_KEYS, vals))
+        out["log_sk"] = math.log(self.sk)
+        return out
+
+
+def _nanmean(x: torch.Tensor) -> torch.Tensor:
+    return torch.nanmean(x) if x.numel() else x.new_zeros(())
+
+
+def _nanmax(x: torch.Tensor) -> torch.Tensor:
+    x = torch.nan_to_num(x, nan=0.0)
+    return x.max() if x.numel() else x.new_zeros(())
+
+
+def _rows(t: torch.Tensor, max_rows: Optional[int]) -> torch.Tensor:
+    """At most ``max_rows`` evenly strided rows along dim 2 (always including the first), as fp32."""
+    s = t.shape[2]
+    if max_rows is not None and s > max_rows:
+        idx = torch.linspace(0, s - 1, max_rows, device=t.device).round().long()
+        t = t.index_select(2, idx)
+    return t.float()
+
+
+def offset_ratio(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean over dim 2, ‖mean‖ / RMS‖x − mean‖) of a (B, H, S, D) fp32 tensor; two-pass, no cancellation."""
+    mean = x.mean(dim=2)                                             # (B, H, D)
+    spread = (x - mean.unsqueeze(2)).square().sum(-1).mean(-1).sqrt()  # (B, H)
+    ratio = mean.norm(dim=-1) / spread.clamp_min(_TINY)
+    # a constant key set (spread 0) with a nonzero mean is the worst case: report inf, not a huge number
+    ratio = torch.where(spread > 0, ratio, torch.where(mean.norm(dim=-1) > 0, torch.inf, 0.0))
+    return mean, ratio
+
+
+def compute(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], scale: Optional[float] = None, *,
+            dtype: Optional[torch.dtype] = None, max_rows: Optional[int] = DEFAULT_MAX_ROWS) -> AttentionStats:
+    """Statistics of one call. q (B, Hq, Sq, D), k (B, Hkv, Sk, D), lse (B, Hq, Sq) natural log (or any layout
+    ``spec.normalize_lse`` reads; None skips the LSE statistics). ``dtype`` selects u (default q.dtype)."""
+    with torch.no_grad():
+        B, Hq, Sq, D = q.shape
+        Hkv, Sk = k.shape[1], k.shape[2]
+        group = Hq // Hkv
+        alpha = D ** -0.5 if scale is None else float(scale)
+        dt = q.dtype if dtype is None else dtype
+        u = unit_roundoff(dt) if dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64) else 2.0 ** -8
+
+        qs = _rows(q, max_rows)                      # (B, Hq, rq, D)
+        ks = _rows(k, max_rows)                      # (B, Hkv, rk, D)
+        kmean, r_k = offset_ratio(ks)
+        _, r_q = offset_ratio(qs)
+
+        qmax = qs.norm(dim=-1).amax(-1)              # (B, Hq)
+        kmax = ks.norm(dim=-1).amax(-1)              # (B, Hkv)
+        kmax_q = kmax.repeat_interleave(group, dim=1) if group > 1 else kmax
+        logit_bound = alpha * qmax * kmax_q
+
+        if lse is not None:
+            from .backends.spec import normalize_lse
+            lse_n = normalize_lse(lse, B, Hq, Sq)
+            if max_rows is not None and Sq > max_rows:
+                idx = torch.linspace(0, Sq - 1, max_rows, device=lse_n.device).round().long()
+                lse_n = lse_n.index_select(2, idx)
+            lse_n = lse_n.float()
+            kmean_q = kmean.repeat_interleave(group, dim=1) if group > 1 else kmean     # (B, Hq, D)
+            k0 = k[:, :, 0, :].float()
+            k0_q = k0.repeat_interleave(group, dim=1) if group > 1 else k0
+            mean_score = alpha * torch.einsum("bhrd,bhd->bhr", qs, kmean_q)
+            s0 = alpha * torch.einsum("bhrd,bhd->bhr", qs, k0_q)
+            live = torch.isfinite(lse_n)
+            nan = torch.full_like(lse_n, float("nan"))
+            lse_gap = torch.where(live, lse_n - mean_score, nan).nanmean(-1)
+            p_sink = torch.where(live, torch.exp((s0 - lse_n).clamp_max(0.0)), nan).nanmean(-1)
+        else:
+            lse_gap = torch.full((B, Hq), float("nan"), device=q.device)
+            p_sink = torch.full((B, Hq), float("nan"), device=q.device)
+
+        return AttentionStats(r_k=r_k, r_q=r_q, leak_dq=2 * u * r_k, leak_dk=2 * u * r_q, logit_bound=logit_bound,
+                              lse_gap=lse_gap, p_sink=p_sink, u=u, sk=Sk)

@@ -1,0 +1,180 @@
+"""auto/audit policy: tier transitions with hysteresis, sampling, layer naming, audit records, options."""
+import pytest
+import torch
+
+from gproj_patch import policy
+from gproj_patch.policy import PolicyConfig, next_tier
+
+
+@pytest.fixture(autouse=True)
+def fresh_policy():
+    old = policy.config()
+    policy.reset()
+    yield
+    policy.reset()
+    policy.configure(**{n: getattr(old, n) for n in policy.OPTION_NAMES})
+
+
+def _qk(k_off=0.0, q_off=0.0, S=64, D=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, S, D, generator=g)
+    k = torch.randn(1, 2, S, D, generator=g)
+    k[..., 0] += k_off
+    q[..., 0] += q_off
+    q, k = q.bfloat16(), k.bfloat16()
+    lse = torch.logsumexp(D ** -0.5 * q.float() @ k.float().transpose(-1, -2), -1)
+    return dict(q=q, k=k, lse=lse, scale=D ** -0.5, dtype=torch.bfloat16)
+
+
+def _offset_for_rk(rk, D=32):
+    return rk * D ** 0.5  # spread of a standard normal key is sqrt(D)
+
+
+def test_next_tier_hysteresis_band():
+    cfg = PolicyConfig(gproj_enter=0.01, gproj_exit=0.005, fp32_enter=0.1, fp32_exit=0.05)
+    assert next_tier("original", 0.009, 0.0, cfg) == "original"
+    assert next_tier("original", 0.010, 0.0, cfg) == "gproj"
+    assert next_tier("gproj", 0.006, 0.0, cfg) == "gproj"       # inside the band: stays
+    assert next_tier("gproj", 0.004, 0.0, cfg) == "original"
+    assert next_tier("gproj", 0.02, 0.11, cfg) == "fp32"
+    assert next_tier("fp32", 0.02, 0.06, cfg) == "fp32"          # inside the fp32 band: stays
+    assert next_tier("fp32", 0.006, 0.04, cfg) == "gproj"        # leaves fp32, still above gproj_exit
+    assert next_tier("fp32", 0.001, 0.04, cfg) == "original"
+    assert next_tier("original", 0.0, 0.2, cfg) == "fp32"        # query offset alone needs fp32
+
+
+def test_layer_does_not_flap_between_thresholds():
+    policy.configure(sample_every=1, sink_amplification=False)
+    seq = [0.2, 3.0, 1.0, 0.9, 1.1, 0.8, 0.3, 1.0, 2.0]  # R_k per step; enter 1.28, exit 0.64 (bf16)
+    tiers = []
+    for step, rk in enumerate(seq):
+        policy.set_step(step)
+        tiers.append(policy.decide(layer="L", mode="auto", **_qk(k_off=_offset_for_rk(rk), seed=step)))
+    assert tiers == ["original", "gproj", "gproj", "gproj", "gproj", "gproj", "original", "original", "gproj"]
+    rec = policy.stats()["L"]
+    assert rec["transitions"] == 3 and rec["samples"] == len(seq)
+    events = policy.pop_events()
+    assert [(e["from"], e["to"], e["step"]) for e in events] == [
+        ("original", "gproj", 1), ("gproj", "original", 6), ("original", "gproj", 8)]
+    assert policy.pop_events() == []
+
+
+def test_fp32_when_queries_carry_a_large_common_offset():
+    policy.configure(sample_every=1, sink_amplification=False)
+    assert policy.decide(layer="A", **_qk(q_off=_offset_for_rk(20))) == "fp32"
+    assert policy.decide(layer="B", **_qk(k_off=_offset_for_rk(20))) == "gproj"
+    assert policy.decide(layer="C", **_qk()) == "original"
+
+
+def test_sampling_every_n_steps_reuses_the_decision():
+    policy.configure(sample_every=5, sink_amplification=False)
+    big, small = _qk(k_off=_offset_for_rk(10)), _qk()
+    got = []
+    for step in range(12):
+        policy.set_step(step)
+        got.append(policy.decide(layer="L", **(big if step >= 3 else small)))
+    # sampled at steps 0, 5, 10: the regime change at step 3 is seen at step 5
+    assert got == ["original"] * 5 + ["gproj"] * 7
+    rec = policy.stats()["L"]
+    assert rec["samples"] == 3 and rec["calls"] == {"original": 5, "gproj": 7, "fp32": 0}
+
+
+def test_unsampled_calls_do_not_touch_tensors():
+    policy.configure(sample_every=100)
+    policy.set_step(0)
+    policy.decide(layer="L", **_qk())
+    policy.set_step(1)
+    assert policy.decide(layer="L", q=None, k=None, lse=None) == "original"
+
+
+def test_unnamed_layers_are_numbered_per_backward_pass():
+    policy.configure(sample_every=1)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(policy.decide(layer=None, **_qk()))
+            return g
+
+    x = torch.ones(3, requires_grad=True)
+    for _ in range(2):
+        Probe.apply(Probe.apply(x)).sum().backward()
+    assert sorted(policy.stats()) == ["call0", "call1"]
+    assert policy.current_step() == 1  # two backward passes: steps 0 and 1
+    assert all(r["samples"] == 2 for r in policy.stats().values())
+
+
+def test_audit_records_measured_discrepancy_on_sampled_calls_only():
+    policy.configure(sample_every=2)
+    calls = []
+    ref = (torch.ones(4), torch.ones(4), torch.ones(4))
+
+    def fp32_grads():
+        calls.append(1)
+        return ref
+
+    grads = (torch.ones(4) * 1.01, torch.ones(4), torch.full((4,), 2.0))
+    for step in range(4):
+        policy.set_step(step)
+        tier = policy.decide(layer="L", mode="audit", **_qk())
+        policy.after_backward(layer="L", tier=tier, grads=grads, fp32_grads=fp32_grads)
+    assert len(calls) == 2  # steps 0 and 2
+    audit = policy.stats()["L"]["audit"]
+    assert audit["err_dq"] == pytest.approx(0.01, rel=1e-3)
+    assert audit["err_dk"] == 0.0 and audit["err_dv"] == pytest.approx(1.0)
+    assert audit["step"] == 2
+    logs = policy.log_dict()
+    assert logs["gproj/L/audit_err_dq"] == pytest.approx(0.01, rel=1e-3)
+    assert logs["gproj/L/tier"] == 0.0 and logs["gproj/layers/original"] == 1.0
+    # auto mode never evaluates the reference
+    policy.reset()
+    policy.decide(layer="M", mode="auto", **_qk())
+    policy.after_backward(layer="M", tier="original", grads=grads, fp32_grads=fp32_grads)
+    assert len(calls) == 2
+
+
+def test_sink_amplification_flags_sharp_attention():
+    S, D = 64, 32
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, S, D, generator=g)
+    k = torch.randn(1, 1, S, D, generator=g)
+    q[..., 0] = 3.0
+    k[:, :, 0, 0] = 40.0  # every row attends to key 0
+    q, k = q.bfloat16(), k.bfloat16()
+    lse = torch.logsumexp(D ** -0.5 * q.float() @ k.float().transpose(-1, -2), -1)
+    args = dict(q=q, k=k, lse=lse, scale=D ** -0.5)
+    policy.configure(sink_amplification=False)
+    assert policy.decide(layer="plain", **args) == "original"
+    policy.configure(sink_amplification=True)
+    assert policy.decide(layer="amplified", **args) == "gproj"
+    assert policy.stats()["amplified"]["stats"]["p_sink"] > 0.9
+
+
+def test_options_validation_and_environment():
+    with pytest.raises(ValueError, match="sample_every"):
+        policy.configure(sample_every=0)
+    with pytest.raises(ValueError, match="unknown policy option"):
+        policy.configure(treshold=0.1)
+    with pytest.raises(ValueError, match="gproj_exit"):
+        policy.configure(gproj_enter=0.01, gproj_exit=0.02)
+    env = {"GPROJ_SAMPLE_EVERY": "7", "GPROJ_AUTO_ENTER": "0.02", "GPROJ_SINK_AMPLIFICATION": "0"}
+    assert policy.options_from_env(env) == {"sample_every": 7, "gproj_enter": 0.02, "sink_amplification": False}
+    with pytest.raises(ValueError, match="GPROJ_SAMPLE_EVERY='x'"):
+        policy.options_from_env({"GPROJ_SAMPLE_EVERY": "x"})
+    with pytest.raises(ValueError, match="mode"):
+        policy.decide(layer="L", mode="gproj", **_qk())
+
+
+def test_detector_failure_keeps_tier_and_warns_once(caplog):
+    policy.configure(sample_every=1)
+    bad = dict(q=torch.zeros(2), k=torch.zeros(2), lse=None)
+    with caplog.at_level("WARNING", logger="gproj_patch.policy"):
+        assert policy.decide(layer="L", **bad) == "original"
+        policy.set_step(1)
+        assert policy.decide(layer="L", **bad) == "original"
+    assert sum("detector failed" in r.message for r in caplog.records) == 1
