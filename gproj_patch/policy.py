@@ -49,9 +49,7 @@ import threading
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-import torch
-
-from . import detector
+from . import config as _patch_config
 
 TIERS = ("original", "gproj", "fp32")
 MODES = ("auto", "audit")
@@ -68,7 +66,7 @@ class PolicyConfig:
     fp32_exit: float = 0.05
     sink_amplification: bool = True
     max_amplification: float = 100.0
-    max_rows: int = detector.DEFAULT_MAX_ROWS
+    max_rows: int = 256  # detector.DEFAULT_MAX_ROWS (this module imports torch lazily: startup validates it)
 
     def __post_init__(self):
         if not isinstance(self.sample_every, int) or isinstance(self.sample_every, bool) or self.sample_every < 1:
@@ -165,12 +163,40 @@ class LayerRecord:
 class _Policy:
     def __init__(self):
         self.lock = threading.RLock()
-        self.config = PolicyConfig()
+        self.overrides: Dict[str, Any] = {}
+        self._config: Optional[PolicyConfig] = None
+        self._config_for: Any = None
         self.local = threading.local()
         self.reset()
 
-    def reset(self) -> None:
+    @property
+    def config(self) -> PolicyConfig:
+        """Defaults < environment (``ENV_OPTIONS``) < options given to ``enable()`` < ``configure()``;
+        recomputed whenever the patch is enabled anew."""
+        active = _patch_config.active()
+        if self._config is None or active is not self._config_for:
+            with self.lock:
+                opts = options_from_env()
+                if active is not None:
+                    opts.update({k: v for k, v in active.extra if k in OPTION_NAMES})
+                opts.update(self.overrides)
+                self._config = replace(PolicyConfig(), **opts)
+                self._config_for = active
+        return self._config
+
+    def configure(self, **options) -> PolicyConfig:
         with self.lock:
+            merged = {**self.overrides, **options}
+            replace(PolicyConfig(), **merged)  # validate before keeping anything
+            self.overrides = merged
+            self._config = None
+            return self.config
+
+    def reset(self, keep_config: bool = True) -> None:
+        with self.lock:
+            if not keep_config:
+                self.overrides = {}
+                self._config = None
             self.records: Dict[str, LayerRecord] = {}
             self.events: List[Dict[str, Any]] = []
             self.explicit_step: Optional[int] = None
@@ -199,6 +225,7 @@ class _Policy:
 
     def _observe_call(self) -> int:
         """Track backward passes (autograd graph tasks); return this call's index within the pass."""
+        import torch
         gt = torch._C._current_graph_task_id() if hasattr(torch._C, "_current_graph_task_id") else -1
         if gt >= 0 and gt != self.graph_task:
             if self.graph_task is not None and self.explicit_step is None:
@@ -227,6 +254,7 @@ class _Policy:
                 rec.sampled_bucket = bucket  # claim it: a concurrent call of the same layer does not re-sample
         self.local.last_layer = name
         if sample:
+            from . import detector
             try:
                 summary = detector.compute(q, k, lse, scale, dtype=dtype or q.dtype, max_rows=cfg.max_rows).summary()
             except Exception as exc:  # a statistics failure must not stop training: keep the tier, say so once
@@ -284,6 +312,7 @@ class _Policy:
 
 def relative_errors(grads, ref) -> List[float]:
     """‖g − r‖ / ‖r‖ for each pair (fp32; NaN where either is None); one device sync."""
+    import torch
     vals = []
     for g, r in zip(grads, ref):
         if g is None or r is None:
@@ -302,9 +331,7 @@ def configure(**options) -> PolicyConfig:
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
         raise ValueError(f"unknown policy option(s) {unknown}; valid: {list(OPTION_NAMES)}")
-    with _POLICY.lock:
-        _POLICY.config = replace(_POLICY.config, **options)
-        return _POLICY.config
+    return _POLICY.configure(**options)
 
 
 def config() -> PolicyConfig:
@@ -345,9 +372,10 @@ def pop_events() -> List[Dict[str, Any]]:
     return _POLICY.pop_events()
 
 
-def reset() -> None:
-    """Forget every layer record, event and step counter (the configuration stays)."""
-    _POLICY.reset()
+def reset(keep_config: bool = True) -> None:
+    """Forget every layer record, event and step counter; ``keep_config=False`` also drops ``configure()``
+    overrides (the environment and ``enable()`` options still apply)."""
+    _POLICY.reset(keep_config)
 
 
 _LOG_STATS = ("r_k", "r_q", "leak_dq", "leak_dq_eff", "leak_dk", "logit_bound", "lse_gap", "p_sink")

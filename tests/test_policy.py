@@ -8,11 +8,9 @@ from gproj_patch.policy import PolicyConfig, next_tier
 
 @pytest.fixture(autouse=True)
 def fresh_policy():
-    old = policy.config()
-    policy.reset()
+    policy.reset(keep_config=False)
     yield
-    policy.reset()
-    policy.configure(**{n: getattr(old, n) for n in policy.OPTION_NAMES})
+    policy.reset(keep_config=False)
 
 
 def _qk(k_off=0.0, q_off=0.0, S=64, D=32, seed=0):
@@ -178,3 +176,15 @@ def test_detector_failure_keeps_tier_and_warns_once(caplog):
         policy.set_step(1)
         assert policy.decide(layer="L", **bad) == "original"
     assert sum("detector failed" in r.message for r in caplog.records) == 1
+
+
+def test_options_from_enable_and_environment_apply(monkeypatch):
+    from gproj_patch import config as patch_config
+    monkeypatch.setenv("GPROJ_SAMPLE_EVERY", "9")
+    policy.reset(keep_config=False)
+    assert policy.config().sample_every == 9
+    cfg = patch_config.resolve(mode="auto", sample_every=4, gproj_enter=0.03, unrelated=1)
+    monkeypatch.setattr(patch_config, "_active", cfg)
+    assert policy.config().sample_every == 4 and policy.config().gproj_enter == 0.03
+    policy.configure(sample_every=2)
+    assert policy.config().sample_every == 2 and policy.config().gproj_enter == 0.03

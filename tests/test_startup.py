@@ -1,0 +1,155 @@
+"""GPROJ_PATCH=1 start-up hook: the real .pth file, run by a fresh interpreter's `site`, in subprocesses.
+
+The .pth is placed in a temporary *user* site directory (PYTHONUSERBASE), which `site` processes exactly like
+site-packages, so these tests do not depend on how the package was installed. test_wheel_ships_the_pth
+checks that a wheel built from this checkout carries the same file at its root.
+"""
+import ast
+import os
+import site
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from gproj_patch.integrations import startup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def userbase(tmp_path_factory):
+    if not site.ENABLE_USER_SITE:
+        pytest.skip("user site directories are disabled in this interpreter (e.g. an isolated venv)")
+    base = tmp_path_factory.mktemp("userbase")
+    env = dict(os.environ, PYTHONUSERBASE=str(base))
+    usersite = subprocess.run([sys.executable, "-c", "import site; print(site.getusersitepackages())"],
+                              env=env, capture_output=True, text=True, check=True).stdout.strip()
+    startup.install_pth(usersite)
+    return base
+
+
+def _run(userbase, code, timeout=120, cmd=None, **env):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("GPROJ_")}
+    full.update(PYTHONUSERBASE=str(userbase), PYTHONPATH=str(ROOT) + os.pathsep + full.get("PYTHONPATH", ""))
+    full.update(env)
+    return subprocess.run(cmd or [sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True,
+                          text=True, timeout=timeout, cwd=str(ROOT))
+
+
+def test_pth_line_is_the_one_setup_py_ships():
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    consts = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+              for t in node.targets if isinstance(t, ast.Name) and t.id in ("PTH_LINE", "PTH_NAME")}
+    assert consts == {"PTH_LINE": startup.PTH_LINE, "PTH_NAME": startup.PTH_NAME}
+    assert startup.PTH_LINE.startswith("import ") and "\n" not in startup.PTH_LINE  # site exec()s such lines
+
+
+def test_flag_on_enables_after_torch_import(userbase):
+    r = _run(userbase, """
+        import sys
+        import gproj_patch.integrations.startup as s
+        before = ("torch" in sys.modules, s.status()["state"])
+        import torch, gproj_patch
+        print(before, s.status()["state"], gproj_patch.is_enabled(), gproj_patch._state["config"].mode)
+    """, GPROJ_PATCH="1", GPROJ_MODE="auto")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[0] == "(False, 'waiting for torch') enabled True auto"
+
+
+@pytest.mark.parametrize("value", ["", "0", "off"])
+def test_flag_off_does_nothing(userbase, value):
+    r = _run(userbase, """
+        import sys
+        import gproj_patch.integrations.startup as s
+        import torch, gproj_patch
+        print(s.status()["state"], gproj_patch.is_enabled())
+    """, GPROJ_PATCH=value)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "off False"
+
+
+def test_unset_flag_never_imports_the_package(userbase):
+    r = _run(userbase, "import sys; print(sorted(m for m in sys.modules if m.startswith(('gproj', 'torch'))))")
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"GPROJ_PATCH": "maybe"}, "GPROJ_PATCH='maybe' is not understood"),
+    ({"GPROJ_PATCH": "1", "GPROJ_MODE": "fast"}, "GPROJ_MODE must be one of"),
+    ({"GPROJ_PATCH": "1", "GPROJ_TARGETS": "sdpa,xformers"}, "unknown target(s) 'xformers'"),
+    ({"GPROJ_PATCH": "1", "GPROJ_SAMPLE_EVERY": "0"}, "sample_every must be an integer >= 1"),
+    ({"GPROJ_PATCH": "1", "GPROJ_AUTO_ENTER": "high"}, "GPROJ_AUTO_ENTER='high': expected a number"),
+])
+def test_bad_values_fail_at_startup_with_a_clear_message(userbase, env, needle):
+    r = _run(userbase, "print('user code ran')", **env)
+    assert r.returncode == startup.EXIT_CODE
+    assert "user code ran" not in r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gproj_patch: ") and needle in lines[0], r.stderr
+
+
+def test_torch_already_imported_enables_immediately():
+    code = """
+        import os, torch, gproj_patch
+        import gproj_patch.integrations.startup as s
+        os.environ["GPROJ_PATCH"] = "1"
+        h = s.process_startup()
+        print(s.status()["state"], gproj_patch.is_enabled(), h is s.process_startup())
+        gproj_patch.disable()
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPROJ_")}
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                       cwd=str(ROOT), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "enabled True True"
+
+
+def test_wheel_ships_the_pth(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300,
+                       cwd=str(tmp_path))
+    if r.returncode != 0 and "bdist_wheel" in r.stderr + r.stdout:
+        pytest.skip("this interpreter's setuptools cannot build wheels without build isolation")
+    assert r.returncode == 0, r.stderr
+    (wheel,) = tmp_path.glob("gproj_patch-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        assert zf.read(startup.PTH_NAME).decode().strip() == startup.PTH_LINE
+        record = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+        assert any(line.startswith(startup.PTH_NAME + ",") for line in zf.read(record).decode().splitlines())
+
+
+ACCELERATE_SCRIPT = """
+import os
+import torch
+import torch.nn.functional as F
+import gproj_patch
+from accelerate import Accelerator
+
+acc = Accelerator(cpu=True)
+q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
+st = gproj_patch.stats()
+print(f"rank {acc.process_index}/{acc.num_processes} patched={gproj_patch.is_enabled()} "
+      f"backend={torch.distributed.get_backend() if torch.distributed.is_initialized() else None} "
+      f"calls={sum(st.get(t, 0) for t in ('gproj', 'fp32', 'original'))}", flush=True)
+"""
+
+
+def test_accelerate_launch_patches_every_rank(userbase, tmp_path):
+    pytest.importorskip("accelerate")
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_SCRIPT)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    r = _run(userbase, None, cmd=cmd, timeout=240, GPROJ_PATCH="1", GPROJ_MODE="gproj",
+             ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = sorted(ln for ln in r.stdout.splitlines() if ln.startswith("rank "))
+    assert len(lines) == 2, r.stdout + r.stderr
+    for i, line in enumerate(lines):
+        assert line.startswith(f"rank {i}/2 patched=True backend=gloo calls=1"), line
