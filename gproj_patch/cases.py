@@ -252,7 +252,7 @@ def get_case(name: str) -> Case:
 
 
 def select_cases(spec: Optional[str]) -> List[Case]:
-    """Cases matching comma-separated names or fnmatch patterns (all when ``spec`` is empty/None)."""
+    """Cases matching comma-separated names or fnmatch patterns, in the order asked (all when ``spec`` is empty)."""
     if not spec:
         return list(CASES)
     chosen: List[Case] = []
