@@ -86,23 +86,32 @@ def _nanmax(x: torch.Tensor) -> torch.Tensor:
     return x.max() if x.numel() else x.new_zeros(())
 
 
-def _rows(t: torch.Tensor, max_rows: Optional[int]) -> torch.Tensor:
-    """At most ``max_rows`` evenly strided rows along dim 2 (always including the first), as fp32."""
-    s = t.shape[2]
-    if max_rows is not None and s > max_rows:
-        idx = torch.linspace(0, s - 1, max_rows, device=t.device).round().long()
-        t = t.index_select(2, idx)
-    return t.float()
+_ROW_INDEX: Dict[tuple, torch.Tensor] = {}
 
 
-def offset_ratio(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean over dim 2, ‖mean‖ / RMS‖x − mean‖) of a (B, H, S, D) fp32 tensor; two-pass, no cancellation."""
-    mean = x.mean(dim=2)                                             # (B, H, D)
-    spread = (x - mean.unsqueeze(2)).square().sum(-1).mean(-1).sqrt()  # (B, H)
-    ratio = mean.norm(dim=-1) / spread.clamp_min(_TINY)
-    # a constant key set (spread 0) with a nonzero mean is the worst case: report inf, not a huge number
-    ratio = torch.where(spread > 0, ratio, torch.where(mean.norm(dim=-1) > 0, torch.inf, 0.0))
-    return mean, ratio
+def _row_index(s: int, max_rows: Optional[int], device) -> Optional[torch.Tensor]:
+    """Evenly strided row indices (first and last included), cached per (S, max_rows, device)."""
+    if max_rows is None or s <= max_rows:
+        return None
+    key = (s, max_rows, str(device))
+    idx = _ROW_INDEX.get(key)
+    if idx is None:
+        if len(_ROW_INDEX) > 256:
+            _ROW_INDEX.clear()
+        idx = _ROW_INDEX[key] = torch.linspace(0, s - 1, max_rows, device=device).round().long()
+    return idx
+
+
+def _rows(t: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
+    return (t if idx is None else t.index_select(2, idx)).float()
+
+
+def offset_ratio(x: torch.Tensor) -> tuple:
+    """(mean over dim 2, ‖mean‖ / RMS‖x − mean‖) of a (B, H, S, D) fp32 tensor; two-pass, no cancellation.
+    A constant set (spread 0) with a nonzero mean gives a huge finite ratio (‖mean‖ / 1e-30)."""
+    mean = x.mean(dim=2)                                                               # (B, H, D)
+    spread = torch.linalg.vector_norm(x - mean.unsqueeze(2), dim=(-2, -1)) * x.shape[2] ** -0.5  # (B, H)
+    return mean, torch.linalg.vector_norm(mean, dim=-1) / spread.clamp_min(_TINY)
 
 
 def compute(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], scale: Optional[float] = None, *,
@@ -117,32 +126,30 @@ def compute(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], scale
         dt = q.dtype if dtype is None else dtype
         u = unit_roundoff(dt) if dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64) else 2.0 ** -8
 
-        qs = _rows(q, max_rows)                      # (B, Hq, rq, D)
-        ks = _rows(k, max_rows)                      # (B, Hkv, rk, D)
+        qidx = _row_index(Sq, max_rows, q.device)
+        qs = _rows(q, qidx)                          # (B, Hq, rq, D)
+        ks = _rows(k, _row_index(Sk, max_rows, k.device))  # (B, Hkv, rk, D)
         kmean, r_k = offset_ratio(ks)
         _, r_q = offset_ratio(qs)
 
-        qmax = qs.norm(dim=-1).amax(-1)              # (B, Hq)
-        kmax = ks.norm(dim=-1).amax(-1)              # (B, Hkv)
-        kmax_q = kmax.repeat_interleave(group, dim=1) if group > 1 else kmax
-        logit_bound = alpha * qmax * kmax_q
+        qmax = torch.linalg.vector_norm(qs, dim=-1).amax(-1)   # (B, Hq)
+        kmax = torch.linalg.vector_norm(ks, dim=-1).amax(-1)   # (B, Hkv)
+        if group > 1:
+            kmax = kmax.repeat_interleave(group, dim=1)
+        logit_bound = qmax * kmax * alpha
 
         if lse is not None:
             from .backends.spec import normalize_lse
             lse_n = normalize_lse(lse, B, Hq, Sq)
-            if max_rows is not None and Sq > max_rows:
-                idx = torch.linspace(0, Sq - 1, max_rows, device=lse_n.device).round().long()
-                lse_n = lse_n.index_select(2, idx)
-            lse_n = lse_n.float()
-            kmean_q = kmean.repeat_interleave(group, dim=1) if group > 1 else kmean     # (B, Hq, D)
-            k0 = k[:, :, 0, :].float()
-            k0_q = k0.repeat_interleave(group, dim=1) if group > 1 else k0
-            mean_score = alpha * torch.einsum("bhrd,bhd->bhr", qs, kmean_q)
-            s0 = alpha * torch.einsum("bhrd,bhd->bhr", qs, k0_q)
-            live = torch.isfinite(lse_n)
-            nan = torch.full_like(lse_n, float("nan"))
-            lse_gap = torch.where(live, lse_n - mean_score, nan).nanmean(-1)
-            p_sink = torch.where(live, torch.exp((s0 - lse_n).clamp_max(0.0)), nan).nanmean(-1)
+            lse_n = (lse_n if qidx is None else lse_n.index_select(2, qidx.to(lse_n.device))).float()
+            refs = torch.stack([kmean, k[:, :, 0, :].float()], dim=2)                    # (B, Hkv, 2, D)
+            if group > 1:
+                refs = refs.repeat_interleave(group, dim=1)
+            scores = torch.matmul(qs, refs.transpose(-1, -2)) * alpha                    # (B, Hq, rq, 2)
+            dead = ~torch.isfinite(lse_n)
+            gap = (lse_n - scores[..., 0]).masked_fill(dead, float("nan"))
+            lse_gap = gap.nanmean(-1)
+            p_sink = torch.exp((scores[..., 1] - lse_n).clamp_max(0.0)).masked_fill(dead, float("nan")).nanmean(-1)
         else:
             lse_gap = torch.full((B, Hq), float("nan"), device=q.device)
             p_sink = torch.full((B, Hq), float("nan"), device=q.device)

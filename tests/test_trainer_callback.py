@@ -117,3 +117,16 @@ def test_only_main_process_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="gproj_patch"):
         cb._emit_warnings(State())
     assert not caplog.records and policy.pop_events() == []
+
+
+def test_example_script_runs(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_llama.py"
+    spec = importlib.util.spec_from_file_location("train_tiny_llama", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--steps", "3", "--seq", "32", "--drive-layer", "1", "--sample-every", "1",
+              "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "model.layers.1.self_attn" in out and "tier=gproj" in out
