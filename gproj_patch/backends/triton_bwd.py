@@ -73,6 +73,10 @@ CONFIGS = {
     "dkdv": {32: (64, 128, 4, 2), 64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 8, 1)},
 }
 _INTERP_BLOCK = 16
+#: tests and benchmarks set this to fill dense outputs with NaN before the launch (checks every element is written)
+_POISON_OUTPUTS = False
+#: registers / spills of the last compiled launch (for the benchmark's notes)
+LAST_KERNELS: dict = {}
 
 _lock = threading.Lock()
 _modules = {}
@@ -226,9 +230,10 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         Z, MQ, MK = nseq, max_seqlen_q, max_seqlen_k
     else:
         cu_q = cu_k = torch.zeros(1, dtype=torch.int32, device=q.device)
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+        if _POISON_OUTPUTS:
+            for x in (dq, dk, dv):
+                x.fill_(float("nan"))
         Z, MQ, MK = B, SQ, SK
     if Z == 0:
         return dq, dk, dv
@@ -278,16 +283,20 @@ def _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu
                   EVEN_D=even_d)
     if MQ == 0 or MK == 0:
         return  # every sequence empty on one side: gradients are the zeros already there
-    km._bwd_dq[(triton.cdiv(MQ, bm_q), H, Z)](
+    kq = km._bwd_dq[(triton.cdiv(MQ, bm_q), H, Z)](
         q, k, v, do, dq, delta, lse2, lam, cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e),
         EVEN_M=(not varlen) and SQ % bm_q == 0, EVEN_N=(not varlen) and SK % bn_q == 0,
         BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=BD, num_warps=w_q, num_stages=st_q, **common)
-    km._bwd_dkdv[(triton.cdiv(MK, bn_k), HKV, Z)](
+    kk = km._bwd_dkdv[(triton.cdiv(MK, bn_k), HKV, Z)](
         q, k, v, do, dk, dv, delta, lse2, lam, cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e),
         FUSED=fused,
         EVEN_M=(not varlen) and SQ % bm_k == 0, EVEN_N=(not varlen) and SK % bn_k == 0,
         BLOCK_M=bm_k, BLOCK_N=bn_k, BLOCK_D=BD, num_warps=w_k, num_stages=st_k, **common)
+    if not interpret:
+        LAST_KERNELS.clear()
+        for name, kern in (("dq", kq), ("dkdv", kk)):
+            LAST_KERNELS[name] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None))

@@ -9,7 +9,8 @@ Three launches:
   one-hot column), then writes dq = α(tK − λ·rK) and λ = ρ/m to an fp32 (B·H·S) scratch.
 * ``_bwd_dkdv``: KV-major. One program per (key block, KV head, batch or sequence); it loops over the query
   heads of its GQA group, so dk/dv are reduced over the group inside one program (no atomics, no copy of K/V,
-  deterministic). dv = Σ r·dO; dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ ("fused").
+  deterministic). dv = Σ r·dO; dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ
+  ("fused").
 
 Masking (causal in both alignments, window) is expressed as a window (left, right) around the diagonal
 ``i + shift``; causal is right = 0. Each kernel splits its loop into masked edge tiles and unmasked interior
@@ -233,11 +234,12 @@ def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, CU_Q, CU_K,
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
-               LSE2, Delta, LAM, row0, q_len, shift, win_left, win_right, scale_log2, offs_d, HEAD_DIM,
-               MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
+               LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right, scale_log2, offs_d, HEAD_DIM,
+               COLMASK: tl.constexpr, MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
                FUSED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN_M and EVEN_D)
+    q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
+                       EVEN_M and EVEN_D)
     if EVEN_M:
         lse2 = tl.load(LSE2 + row0 + offs_m)
         delta = tl.load(Delta + row0 + offs_m)
@@ -250,6 +252,8 @@ def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s
             lam = tl.load(LAM + row0 + offs_m, mask=offs_m < q_len, other=0.0)
     sT = tl.dot(k, tl.trans(q))
     pT = tl.math.exp2(sT * scale_log2 - lse2[None, :])
+    if COLMASK:  # keys past the end (padding of the last tile): keep their scratch P finite
+        pT = tl.where(offs_n[:, None] < k_len, pT, 0.0)
     if MASK:
         diag = offs_m[None, :] + shift
         vis = offs_m[None, :] < q_len
@@ -334,19 +338,19 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
             row0 = (b64 * H + h) * SQ + q_start
             for start_m in range(lo, full_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
-                                    LSE2, Delta, LAM, row0, q_len, shift, win_left, win_right, scale_log2,
-                                    offs_d, HEAD_DIM, True, HAS_L, HAS_R, CORRECT, FUSED, False, EVEN_D,
-                                    BLOCK_M)
+                                    LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
+                                    scale_log2, offs_d, HEAD_DIM, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
+                                    False, EVEN_D, BLOCK_M)
             for start_m in range(full_lo, full_hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
-                                    LSE2, Delta, LAM, row0, q_len, shift, win_left, win_right, scale_log2,
-                                    offs_d, HEAD_DIM, False, HAS_L, HAS_R, CORRECT, FUSED, True, EVEN_D,
-                                    BLOCK_M)
+                                    LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
+                                    scale_log2, offs_d, HEAD_DIM, not EVEN_N, False, HAS_L, HAS_R, CORRECT, FUSED,
+                                    True, EVEN_D, BLOCK_M)
             for start_m in range(full_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
-                                    LSE2, Delta, LAM, row0, q_len, shift, win_left, win_right, scale_log2,
-                                    offs_d, HEAD_DIM, True, HAS_L, HAS_R, CORRECT, FUSED, False, EVEN_D,
-                                    BLOCK_M)
+                                    LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
+                                    scale_log2, offs_d, HEAD_DIM, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
+                                    False, EVEN_D, BLOCK_M)
 
         dk = dk * scale
         _store_tile(DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_s, dk, sdk_s, sdk_d,

@@ -1,0 +1,397 @@
+"""One device call: correctness of the GProj Triton backward (BF16 vs fp64), a small block-config sweep, and
+timings against cuDNN / flash SDPA backwards and the FP32 fallback.
+
+    python benchmarks/device_check.py [--sweep] [--skip-suite] [--configs JSON] [--out DIR]
+
+Writes the full log and JSON to ``--out`` (default $OUT or ./device_out), a Markdown section for
+BENCHMARKS.md (``bench_section.md``) and prints a short table last. Needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from gproj_patch.backends import triton_bwd  # noqa: E402
+from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
+from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
+
+LOG = []
+T_START = time.time()
+SWEEP_DEADLINE = float(os.environ.get("SWEEP_DEADLINE", 330))
+
+
+def log(*a):
+    line = " ".join(str(x) for x in a)
+    print(line, flush=True)
+    LOG.append(line)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# adversarial suite (BF16 inputs; fp64 reference on the same rounded inputs)
+# ----------------------------------------------------------------------------------------------------------
+
+def _keys(shape, offset, gen, device):
+    k = torch.randn(shape, generator=gen, device=device, dtype=torch.float64)
+    if offset:
+        mu = torch.randn(shape[-1], generator=gen, device=device, dtype=torch.float64)
+        k = k + offset * mu
+    return k
+
+
+def make_case(name, device="cuda", dtype=torch.bfloat16, seed=0):
+    """(inputs dict, mask kwargs, gauge) for one named case. gauge: the case is in the gauge regime."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, H, HKV, SQ, SK, D = 2, 4, 4, 512, 512, 64
+    offset, kw, gauge, sink = 0.0, {}, True, 0.0
+    cu = None
+    if name == "witness":
+        return witness(device, dtype), {}, True
+    if name.startswith("offset"):
+        offset = float(name[6:])
+    elif name == "random":
+        pass
+    elif name == "sink":  # attention sink (p_sink ~ 0.04..0.9), no offset
+        sink = 0.75
+    elif name == "sink64":  # sink with p_sink ~ 1 - 1e-5, plus a 64σ key offset (DESIGN §4's sink case)
+        offset, sink = 64.0, 1.5
+    elif name == "sharp_p1":  # rows with P == 1 to 1e-10 (one key dominates every row), plus an offset
+        offset, sink = 32.0, 3.0
+        SK = 384
+    elif name == "causal_tl":
+        SQ, SK, offset, kw = 384, 512, 32.0, dict(causal=True, causal_align="top_left")
+    elif name == "causal_br":
+        SQ, SK, offset, kw = 512, 384, 32.0, dict(causal=True, causal_align="bottom_right")
+    elif name == "gqa":
+        H, HKV, offset = 8, 2, 128.0
+    elif name == "window":
+        SQ = SK = 600
+        offset, kw = 32.0, dict(window=(100, 20))
+    elif name == "varlen":
+        B, H, HKV, offset = 1, 4, 2, 64.0
+        lq = [100, 0, 257, 1, 0, 242]
+        lk = [100, 37, 300, 0, 0, 242]
+        cu = (torch.tensor([0] + list(_cumsum(lq)), dtype=torch.int32, device=device),
+              torch.tensor([0] + list(_cumsum(lk)), dtype=torch.int32, device=device))
+        SQ, SK = sum(lq), sum(lk)
+        kw = dict(causal=True, causal_align="bottom_right", cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+    elif name == "d128":
+        D, offset, kw = 128, 128.0, dict(causal=True)
+    elif name == "d256":
+        B, H, HKV, SQ, SK, D, offset = 1, 2, 2, 256, 256, 256, 64.0
+    elif name == "d96":
+        B, H, HKV, SQ, SK, D, offset = 1, 2, 1, 300, 200, 96, 32.0
+    elif name == "strided":
+        offset = 128.0
+    elif name == "query_offset":  # not a gauge symmetry: reported, not held to the target
+        gauge = False
+    else:
+        raise KeyError(name)
+    q = torch.randn(B, H, SQ, D, generator=g, device=device, dtype=torch.float64)
+    if name == "query_offset":
+        q = q + 64.0 * torch.randn(D, generator=g, device=device, dtype=torch.float64)
+    k = _keys((B, HKV, SK, D), offset, g, device)
+    if sink:
+        nu = torch.randn(D, generator=g, device=device, dtype=torch.float64)
+        q = q + 2.0 * nu
+        k[:, :, 0] += sink * nu
+    v = torch.randn(B, HKV, SK, D, generator=g, device=device, dtype=torch.float64)
+    do = torch.randn(B, H, SQ, D, generator=g, device=device, dtype=torch.float64)
+    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
+    if name == "strided":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) memory
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
+        v = torch.cat([v, v], dim=-1)[..., :D]  # row stride 2D
+    return dict(q=q, k=k, v=v, do=do), kw, gauge
+
+
+def _cumsum(xs):
+    t = 0
+    for x in xs:
+        t += x
+        yield t
+
+
+def witness(device="cuda", dtype=torch.bfloat16):
+    """The four-key witness (DESIGN.md §1): uniform attention over 4 identical keys of first coordinate K0,
+    g = (1 + eps, -1, -eps, 0) with low(1 + eps) = 1. Exact dq is 0; an uncorrected kernel returns
+    -α·K0·eps in dq[..., 0]: -24 in BF16 (eps = 3/1024, K0 = 65536), -0.75 in FP16 (eps = 3/8192, K0 = 16384)."""
+    D = 64
+    eps, k0 = (3.0 / 1024, 65536.0) if dtype == torch.bfloat16 else (3.0 / 8192, 16384.0)
+    q = torch.zeros(1, 1, 1, D, device=device, dtype=dtype)
+    k = torch.zeros(1, 1, 4, D, device=device, dtype=dtype)
+    k[..., 0] = k0
+    v = torch.zeros(1, 1, 4, D, device=device, dtype=dtype)
+    v[0, 0, 0, 0], v[0, 0, 0, 1] = 4.0, 4.0 * eps
+    v[0, 0, 1, 0] = -4.0
+    v[0, 0, 2, 1] = -4.0 * eps
+    do = torch.zeros(1, 1, 1, D, device=device, dtype=dtype)
+    do[..., 0], do[..., 1] = 1.0, 1.0
+    return dict(q=q, k=k, v=v, do=do)
+
+
+SUITE = ["random", "offset8", "offset32", "offset128", "offset512", "sink", "sink64", "sharp_p1", "causal_tl",
+         "causal_br", "gqa", "window", "varlen", "d96", "d128", "d256", "strided", "query_offset", "witness"]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    n = b.norm().item()
+    return (a - b).norm().item() / n if n > 0 else (a - b).abs().max().item()
+
+
+def run_suite(device="cuda", dtype=torch.bfloat16, cases=SUITE):
+    rows = []
+    triton_bwd._POISON_OUTPUTS = True
+    try:
+        for name in cases:
+            inp, kw, gauge = make_case(name, device, dtype)
+            q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
+            out, lse = reference_forward(q, k, v, **kw)
+            o = out.to(dtype)  # the saved low-precision output (forward channel included)
+            lse = lse.float()
+            ref = reference_backward(q, k, v, do, **kw)
+            row = dict(case=name, gauge=gauge)
+            for tag, extra in (("two", dict(dk_form="two_product")), ("fused", dict(dk_form="fused")),
+                               ("unc", dict(correct=False))):
+                g1 = gproj_backward(do, q, k, v, o, lse, **kw, **extra)
+                torch.cuda.synchronize()
+                finite = all(bool(torch.isfinite(x).all()) for x in g1)
+                for nm, a, b in zip("qkv", g1, ref):
+                    row[f"{tag}_d{nm}"] = rel(a, b) if finite else float("nan")
+                if tag == "two":
+                    g2 = gproj_backward(do, q, k, v, o, lse, **kw, **extra)
+                    row["deterministic"] = all(torch.equal(x, y) for x, y in zip(g1, g2))
+                    row["finite"] = finite
+                if name == "witness":
+                    row[f"{tag}_dq0"] = float(g1[0][0, 0, 0, 0])
+            rows.append(row)
+            log(json.dumps(row))
+    finally:
+        triton_bwd._POISON_OUTPUTS = False
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------------------
+
+SHAPES = [(4, 16, 4096, 64, True), (4, 16, 4096, 128, True), (2, 16, 8192, 128, False), (1, 16, 16384, 128, True)]
+
+
+def _inputs(B, H, S, D, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda: torch.randn(B, H, S, D, generator=g, device="cuda", dtype=torch.float32).to(dtype)  # noqa: E731
+    return mk(), mk(), mk(), mk()
+
+
+def _bench(fn):
+    import triton.testing as tt
+    return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_shape(B, H, S, D, causal, cfg=None, fp32_tier=True):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    q, k, v, do = _inputs(B, H, S, D)
+    res = {}
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    o, lse = out[0], out[1]
+    for tag, extra in (("gproj", {}), ("gproj_fused", dict(dk_form="fused")), ("uncorrected", dict(correct=False))):
+        fn = lambda extra=extra: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg, **extra)  # noqa
+        fn()
+        res[tag] = _bench(fn)
+    for tag, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            with sdpa_kernel(be):
+                y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+            fn = lambda y=y, qq=qq, kk=kk, vv=vv: torch.autograd.grad(y, (qq, kk, vv), do, retain_graph=True)  # noqa
+            fn()
+            res[tag] = _bench(fn)
+        except Exception as e:  # pragma: no cover
+            res[tag] = float("nan")
+            log(f"{tag} failed: {e!r}")
+    try:
+        qf, kf, vf = (x.float().detach().requires_grad_() for x in (q, k, v))
+        dof = do.float()
+
+        def fp32_eff():
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                y = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal)
+            return torch.autograd.grad(y, (qf, kf, vf), dof)
+        fp32_eff()
+        res["fp32_efficient_fwdbwd"] = _bench(fp32_eff)
+    except Exception as e:  # pragma: no cover
+        res["fp32_efficient_fwdbwd"] = float("nan")
+        log(f"fp32 efficient failed: {e!r}")
+    if fp32_tier:
+        try:
+            from gproj_patch.backends.fp32_tier import fp32_backward, fp32_forward
+
+            def tier():
+                fp32_forward(q, k, v, causal=causal)
+                return fp32_backward(q, k, v, do, causal=causal)
+            t0 = time.time()
+            tier()
+            torch.cuda.synchronize()
+            if time.time() - t0 < 5.0:
+                res["fp32_tier_fwdbwd"] = _bench(tier)
+            else:
+                res["fp32_tier_fwdbwd"] = (time.time() - t0) * 1e3
+        except Exception as e:  # pragma: no cover
+            res["fp32_tier_fwdbwd"] = float("nan")
+            log(f"fp32 tier failed: {e!r}")
+    return res
+
+
+SWEEP = {
+    64: {"dq": [(128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2)],
+         "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 3), (128, 128, 8, 2), (32, 128, 4, 3)]},
+    128: {"dq": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2), (128, 64, 8, 1)],
+          "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (64, 128, 8, 1)]},
+}
+
+
+def sweep(D, S=4096, B=4, H=16, causal=True):
+    """Greedy: best dq config with the default dkdv, then best dkdv with that dq. Returns the chosen pair."""
+    q, k, v, do = _inputs(B, H, S, D)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    o, lse = out[0], out[1]
+    best = {"dq": triton_bwd.CONFIGS["dq"][D], "dkdv": triton_bwd.CONFIGS["dkdv"][D]}
+    for which in ("dq", "dkdv"):
+        times = {}
+        for c in SWEEP[D][which]:
+            if time.time() - T_START > SWEEP_DEADLINE:
+                log(f"sweep D={D} {which} {c}: skipped (time budget)")
+                continue
+            cfg = dict(best)
+            cfg[which] = c
+            try:
+                fn = lambda cfg=cfg: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg)  # noqa
+                fn()
+                torch.cuda.synchronize()
+                times[c] = _bench(fn)
+                log(f"  regs/spills {triton_bwd.LAST_KERNELS}")
+            except Exception as e:
+                times[c] = float("inf")
+                log(f"sweep D={D} {which} {c} failed: {type(e).__name__}: {str(e)[:200]}")
+            log(f"sweep D={D} {which} {c}: {times[c]:.3f} ms")
+        if times:
+            best[which] = min(times, key=times.get)
+    log(f"sweep D={D} chosen {best}")
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--skip-suite", action="store_true")
+    ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--configs", default=None, help='JSON {"64": {"dq": [...], "dkdv": [...]}, ...}')
+    ap.add_argument("--out", default=os.environ.get("OUT", "device_out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import triton
+    dev = torch.cuda.get_device_name()
+    log(f"date {datetime.datetime.utcnow().isoformat()}Z  gpu {dev}  torch {torch.__version__}  "
+        f"triton {triton.__version__}")
+    result = dict(gpu=dev, torch=torch.__version__, triton=triton.__version__)
+    if args.configs:
+        for d, c in json.loads(args.configs).items():
+            for which in ("dq", "dkdv"):
+                if which in c:
+                    triton_bwd.CONFIGS[which][int(d)] = tuple(c[which])
+    suite = []
+    if not args.skip_suite:
+        t0 = time.time()
+        try:
+            suite = run_suite()
+        except Exception:
+            log(traceback.format_exc())
+        log(f"suite took {time.time() - t0:.1f} s")
+    result["suite"] = suite
+    if args.sweep:
+        for D in (64, 128):
+            t0 = time.time()
+            try:
+                best = sweep(D)
+                triton_bwd.CONFIGS["dq"][D], triton_bwd.CONFIGS["dkdv"][D] = best["dq"], best["dkdv"]
+            except Exception:
+                log(traceback.format_exc())
+            log(f"sweep D={D} took {time.time() - t0:.1f} s")
+    result["configs"] = {w: {str(d): c for d, c in triton_bwd.CONFIGS[w].items()} for w in ("dq", "dkdv")}
+    timings = []
+    if not args.skip_timing:
+        for i, shp in enumerate(SHAPES):
+            t0 = time.time()
+            try:
+                r = time_shape(*shp, fp32_tier=(i == 0))
+            except Exception:
+                log(traceback.format_exc())
+                r = {}
+            r["shape"] = shp
+            timings.append(r)
+            log(json.dumps(r), f"({time.time() - t0:.1f} s)")
+    result["timings"] = timings
+    with open(os.path.join(args.out, "device_check.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    section = markdown(result)
+    with open(os.path.join(args.out, "bench_section.md"), "w") as f:
+        f.write(section)
+    with open(os.path.join(args.out, "device_check.log"), "w") as f:
+        f.write("\n".join(LOG))
+    print("\n" + section)
+
+
+def _pct(x):
+    return "nan" if x != x else f"{100 * x:.3g}%"
+
+
+def markdown(r):
+    lines = [f"### Kernel run {datetime.datetime.utcnow().strftime('%Y-%m-%d %H:%M')} UTC — {r['gpu']}, "
+             f"torch {r['torch']}, triton {r['triton']}", ""]
+    if r["suite"]:
+        lines += ["BF16, error ‖x − ref‖/‖ref‖ vs fp64 (inputs BF16, saved O BF16). two = GProj two-product dk, "
+                  "fused = GProj fused dk, unc = same kernel correct=False.", "",
+                  "| case | two dq | two dk | two dv | fused dq | fused dk | unc dq | unc dk | det |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for s in r["suite"]:
+            if s["case"] == "witness":
+                lines.append(f"| witness dq[0] (exact 0) | {s['two_dq0']:g} | | | {s['fused_dq0']:g} | | "
+                             f"{s['unc_dq0']:g} | | {s['deterministic']} |")
+                continue
+            lines.append(f"| {s['case']}{'' if s['gauge'] else ' (not gauge)'} | {_pct(s['two_dq'])} | "
+                         f"{_pct(s['two_dk'])} | {_pct(s['two_dv'])} | {_pct(s['fused_dq'])} | "
+                         f"{_pct(s['fused_dk'])} | {_pct(s['unc_dq'])} | {_pct(s['unc_dk'])} | "
+                         f"{s['deterministic']} |")
+        lines.append("")
+    if r["timings"]:
+        lines += [f"Configs (BLOCK_M, BLOCK_N, warps, stages): {json.dumps(r['configs'])}", "",
+                  "Median ms (`triton.testing.do_bench`), BF16 backward; FP32 = forward+backward.", "",
+                  "| B,H,S,D,causal | GProj | GProj fused-dk | uncorrected | cuDNN bwd | flash bwd | FP32 eff fwd+bwd "
+                  "| FP32 tier fwd+bwd | GProj/cuDNN | GProj/unc | FP32/GProj |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for t in r["timings"]:
+            g = t.get("gproj", float("nan"))
+            f = lambda k: t.get(k, float("nan"))  # noqa: E731
+            lines.append(f"| {','.join(str(int(x)) if not isinstance(x, bool) else 'T' if x else 'F' for x in t['shape'])} "
+                         f"| {g:.3f} | {f('gproj_fused'):.3f} | {f('uncorrected'):.3f} | {f('cudnn'):.3f} | "
+                         f"{f('flash'):.3f} | {f('fp32_efficient_fwdbwd'):.2f} | {f('fp32_tier_fwdbwd'):.2f} | "
+                         f"×{g / f('cudnn'):.2f} | ×{g / f('uncorrected'):.2f} | "
+                         f"×{f('fp32_efficient_fwdbwd') / g:.1f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The GProj Triton backward as a PyTorch operator: ``torch.ops.gproj.attention_backward``.
+
+``attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, causal_align="top_left",
+window=(-1, -1), softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+correct=True, deterministic=False) -> (dq, dk, dv)`` is the documented public entry point; it calls the
+custom op ``gproj::attention_backward`` (registered with ``torch.library.custom_op`` and a fake
+implementation), so ``torch.compile(fullgraph=True)`` traces through it as one opaque node and
+``torch.library.opcheck`` passes. Arguments and results are those of
+``gproj_patch.backends.triton_bwd.gproj_backward`` (outputs in the input dtype, shaped and strided like
+``torch.empty_like`` of q, k, v); the window is passed to the op as two ints.
+
+The op runs the Triton kernel and nothing else: it raises ``ValueError`` with
+``triton_bwd.kernel_unsupported_reason`` when the kernel cannot take the inputs (choosing a fallback tier is
+``dispatch.py``'s job).
+
+**CPU / CI switch.** ``GPROJ_TIER=triton`` (or ``TRITON_INTERPRET=1``) in the environment makes the op run the
+real kernels on CPU tensors through Triton's interpreter (FP16; the interpreter's BF16 is inexact and is
+refused). Example::
+
+    GPROJ_TIER=triton python -c "import torch; from gproj_patch.backends.ops import attention_backward; ..."
+
+The interpreted copy of the kernels is loaded separately from the compiled one, so the variable may be set
+at any time before the call (also after ``import triton``).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import triton_bwd
+
+__all__ = ["attention_backward"]
+
+
+@torch.library.custom_op("gproj::attention_backward", mutates_args=())
+def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           o: torch.Tensor, lse: torch.Tensor, scale: Optional[float] = None,
+                           causal: bool = False, causal_align: str = "top_left", window_left: int = -1,
+                           window_right: int = -1, softcap: float = 0.0,
+                           cu_seqlens_q: Optional[torch.Tensor] = None,
+                           cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+                           max_seqlen_k: Optional[int] = None, correct: bool = True,
+                           deterministic: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_bwd.gproj_backward(
+        do, q, k, v, o, lse, scale=scale, causal=causal, causal_align=causal_align,
+        window=(window_left, window_right), softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, correct=correct,
+        deterministic=deterministic)
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(do, q, k, v, o, lse, scale=None, causal=False, causal_align="top_left",
+                             window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                             max_seqlen_q=None, max_seqlen_k=None, correct=True, deterministic=False):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
+                       causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                       cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                       max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                       correct: bool = True, deterministic: bool = False
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GProj attention backward (dq, dk, dv) through ``torch.ops.gproj.attention_backward``.
+
+    See the module docstring and ``triton_bwd.gproj_backward``. ``lse`` may be in any layout
+    ``spec.normalize_lse`` reads; it is normalized to (B, H, Sq) fp32 here (a view where possible).
+    """
+    from .spec import normalize_lse
+    lse = normalize_lse(lse, q.shape[0], q.shape[1], q.shape[2])
+    left, right = window
+    return torch.ops.gproj.attention_backward(
+        do, q, k, v, o, lse, scale=None if scale is None else float(scale), causal=bool(causal),
+        causal_align=causal_align, window_left=int(left), window_right=int(right), softcap=float(softcap),
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, correct=bool(correct), deterministic=bool(deterministic))
