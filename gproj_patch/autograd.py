@@ -195,7 +195,7 @@ def _active_params(layer: Optional[str], dropout_p, is_causal, scale, enable_gqa
 
 @torch.library.custom_op("gproj::sdpa_fwd", mutates_args=())
 def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool,
-              scale: Optional[float], enable_gqa: bool) -> Tuple[Tensor, Tensor, Tensor]:
+              scale: Optional[float], enable_gqa: bool, layer: str) -> Tuple[Tensor, Tensor, Tensor]:
     seed = 0
     if dropout_p > 0.0:
         from .backends.fp32_tier import fp32_forward
@@ -212,12 +212,12 @@ def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], drop
         lse = lse_fp32(q, k, attn_mask, is_causal, default_scale(q.shape[-1], scale))
     else:
         lse = q.new_empty((0,), dtype=torch.float32)
-    aux = torch.tensor([_intern_layer(layer_context.layer_id()), seed], dtype=torch.int64)
+    aux = torch.tensor([_intern_layer(layer or layer_context.layer_id()), seed], dtype=torch.int64)
     return out.contiguous(), lse, aux
 
 
 @_sdpa_fwd.register_fake
-def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layer):
     out = q.new_empty(q.shape[:3] + (v.shape[3],))
     lse = q.new_empty(q.shape[:3] if (q.device.type == "cuda" and dropout_p == 0.0) else (0,), dtype=torch.float32)
     return out, lse, torch.empty(2, dtype=torch.int64, device="cpu")
@@ -248,11 +248,11 @@ def _sdpa_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
 
 @_sdpa_bwd.register_fake
 def _(do, q, k, v, out, lse, attn_mask, aux, dropout_p, is_causal, scale, enable_gqa):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real op
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = inputs
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, _layer = inputs
     out, lse, aux = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, aux)
     ctx.args = (dropout_p, is_causal, scale, enable_gqa)
@@ -261,7 +261,7 @@ def _fwd_setup(ctx, inputs, output):
 def _fwd_backward(ctx, dout, _dlse, _daux):
     q, k, v, out, lse, attn_mask, aux = ctx.saved_tensors
     dq, dk, dv = _sdpa_bwd(dout, q, k, v, out, lse, attn_mask, aux, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _sdpa_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
@@ -282,8 +282,10 @@ def _unsupported_reason(q, k, v, attn_mask) -> Optional[str]:
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-         *, cfg: Optional[config.Config] = None):
-    """SDPA's semantics; the corrected backward when a gradient is needed and the inputs are BF16/FP16."""
+         *, cfg: Optional[config.Config] = None, layer: Optional[str] = None):
+    """SDPA's semantics; the corrected backward when a gradient is needed and the inputs are BF16/FP16.
+
+    ``layer`` names the call for the policy when no ``layer_scope`` is active (else ``call{n}``)."""
     cfg = cfg or config.active() or DEFAULT
     orig = ORIGINAL[0]
     if (cfg.mode == "off" or not torch.is_grad_enabled()
@@ -293,13 +295,14 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
                     enable_gqa=enable_gqa)
     if torch.compiler.is_compiling():
         return _sdpa_fwd(query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale,
-                         bool(enable_gqa))[0]
+                         bool(enable_gqa), layer or "")[0]
     reason = _unsupported_reason(query, key, value, attn_mask)
     if reason is not None:
         telemetry.record_forward("original", f"sdpa: {reason}", telemetry.shape_class("sdpa", query, key))
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
     telemetry.record_forward("patched")
+    name = layer_context.current_layer() or layer or layer_context.layer_id()
     p = _Params(float(dropout_p), bool(is_causal), scale, bool(enable_gqa), cfg.mode, cfg.tier, cfg.deterministic,
-                layer_context.layer_id())
+                name)
     return _SdpaFunction.apply(query, key, value, attn_mask, p)

@@ -31,13 +31,14 @@ def kernel_reason(q, k, v, o, lse, *, attn_mask=None, dropout_p=0.0, **mask) -> 
     """Why the GProj Triton kernel cannot take this backward (None when it can)."""
     if dropout_p > 0.0:
         return "dropout > 0 (a fused kernel's dropout RNG cannot be replayed)"
-    if o is None or lse is None:
-        return "the forward returned no LSE (non-fused forward)"
     try:
         from .triton_bwd import kernel_unsupported_reason
     except ImportError as exc:  # triton missing, or the kernel module not there yet
         return f"no triton kernel ({exc})"
-    return kernel_unsupported_reason(q, k, v, dropout_p=dropout_p, attn_mask=attn_mask, **mask)
+    reason = kernel_unsupported_reason(q, k, v, dropout_p=dropout_p, attn_mask=attn_mask, **mask)
+    if reason is None and (o is None or lse is None):
+        return "the forward returned no LSE (non-fused forward)"
+    return reason
 
 
 def _fp32(q, k, v, do, *, attn_mask, dropout_p, dropout_seed, scale, mask) -> Grads:

@@ -35,6 +35,7 @@ FA2_OPS = ("flash_attn::_flash_attn_backward", "flash_attn::_flash_attn_varlen_b
 FA3_OPS = ("flash_attn_3::_flash_attn_backward",)
 FA_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn_3", "flash_attn.cute")
 FA4_MODULE, FA4_FN = "flash_attn.cute.interface", "_flash_attn_bwd"
+DEVICE_TYPE = "cuda"  # the kernels install() replaces (flash-attn registers CUDA kernels only)
 
 # names the replacement understands (and the values that mean "not used")
 _KNOWN = {"dout", "do", "q", "k", "v", "out", "o", "softmax_lse", "lse", "dq", "dk", "dv", "cu_seqlens_q",
@@ -216,8 +217,8 @@ def install() -> str:
                 logger.warning("gproj_patch: importing %s failed (%s); not patched", mod, exc)
     done: Dict[str, Callable[[], None]] = {}
     for qualname in FA2_OPS + FA3_OPS:
-        if _opdef(qualname) is not None and "cuda" in _opdef(qualname)._backend_fns:
-            done[qualname] = patch_op(qualname, "cuda")
+        if _opdef(qualname) is not None and DEVICE_TYPE in _opdef(qualname)._backend_fns:
+            done[qualname] = patch_op(qualname, DEVICE_TYPE)
     try:
         fa4 = importlib.import_module(FA4_MODULE) if _importable("flash_attn.cute") else None
     except Exception:

@@ -22,7 +22,6 @@ from typing import Optional
 import torch
 
 from .. import autograd
-from ..layer_context import current_layer, layer_scope
 
 NAME = "gproj"
 _saved: Optional[dict] = None  # {"attention": previous or _MISSING, "mask": previous or _MISSING}
@@ -46,14 +45,11 @@ def gproj_attention_forward(module, query, key, value, attention_mask, dropout: 
         attention_mask = attention_mask.to(query.dtype)
     enable_gqa = key.shape[1] != query.shape[1]
 
-    def run():
-        return autograd.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
-                             scale=scaling, enable_gqa=enable_gqa)
-    if current_layer() is None and getattr(module, "layer_idx", None) is not None:
-        with layer_scope(f"{type(module).__name__}.{module.layer_idx}"):
-            out = run()
-    else:
-        out = run()
+    layer = None
+    if getattr(module, "layer_idx", None) is not None:
+        layer = f"{type(module).__name__}.{module.layer_idx}"
+    out = autograd.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
+                        scale=scaling, enable_gqa=enable_gqa, layer=layer)
     return out.transpose(1, 2).contiguous(), None
 
 

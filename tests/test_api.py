@@ -1,0 +1,170 @@
+"""Public API: enable/disable/is_enabled/stats/attention, options from the environment, thread safety."""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gproj_patch
+from gproj_patch import config, layer_context, telemetry
+from gproj_patch.backends.reference import reference_backward
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for var in config.ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    yield
+    gproj_patch.disable()
+
+
+def _inputs(dtype=torch.bfloat16, B=1, H=2, S=16, D=16, Hkv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, Hkv or H, S, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv or H, S, D, generator=g).to(dtype).requires_grad_()
+    do = torch.randn(B, H, S, D, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def test_enable_disable_restores_identity():
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+    before = F.scaled_dot_product_attention
+    had_attn = "gproj" in AttentionInterface._global_mapping
+    assert not gproj_patch.is_enabled()
+    h = gproj_patch.enable(targets=("sdpa", "transformers"))
+    assert gproj_patch.is_enabled() and h.owner
+    assert F.scaled_dot_product_attention is not before
+    assert "gproj" in AttentionInterface._global_mapping and "gproj" in AttentionMaskInterface._global_mapping
+    gproj_patch.disable()
+    assert not gproj_patch.is_enabled()
+    assert F.scaled_dot_product_attention is before
+    assert ("gproj" in AttentionInterface._global_mapping) == had_attn
+    gproj_patch.disable()  # twice: no-op
+
+
+def test_enable_twice_is_noop_and_context_manager():
+    before = F.scaled_dot_product_attention
+    with gproj_patch.enable(targets=("sdpa",)) as outer:
+        patched = F.scaled_dot_product_attention
+        with gproj_patch.enable(targets=("sdpa",)) as inner:
+            assert not inner.owner
+            assert F.scaled_dot_product_attention is patched
+        assert gproj_patch.is_enabled()  # the inner, non-owning handle did not turn it off
+        assert outer.owner
+    assert not gproj_patch.is_enabled()
+    assert F.scaled_dot_product_attention is before
+
+
+def test_threads_enable_once():
+    before = F.scaled_dot_product_attention
+    handles, barrier = [], threading.Barrier(6)
+
+    def work():
+        barrier.wait()
+        handles.append(gproj_patch.enable(targets=("sdpa",)))
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(h.owner for h in handles) == 1
+    assert getattr(F.scaled_dot_product_attention, "__gproj_patched__", False)
+    gproj_patch.disable()
+    assert F.scaled_dot_product_attention is before
+
+
+def test_env_options_and_errors(monkeypatch):
+    monkeypatch.setenv("GPROJ_MODE", "fp32")
+    monkeypatch.setenv("GPROJ_TARGETS", "sdpa, transformers")
+    monkeypatch.setenv("GPROJ_LOG_LEVEL", "info")
+    monkeypatch.setenv("GPROJ_DETERMINISTIC", "yes")
+    cfg = config.resolve()
+    assert (cfg.mode, cfg.targets, cfg.log_level, cfg.deterministic) == ("fp32", ("sdpa", "transformers"), 20, True)
+    assert config.resolve(mode="gproj").mode == "gproj"  # explicit argument wins
+    monkeypatch.setenv("GPROJ_MODE", "fast")
+    with pytest.raises(ValueError, match="GPROJ_MODE"):
+        gproj_patch.enable()
+    monkeypatch.delenv("GPROJ_MODE")
+    monkeypatch.setenv("GPROJ_TARGETS", "sdpa,xformers")
+    with pytest.raises(ValueError, match="xformers"):
+        config.resolve()
+    monkeypatch.setenv("GPROJ_TARGETS", "sdpa")
+    for var, bad in (("GPROJ_TIER", "cuda"), ("GPROJ_LOG_LEVEL", "loud"), ("GPROJ_DETERMINISTIC", "maybe")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            config.resolve()
+        monkeypatch.delenv(var)
+    with pytest.raises(ValueError, match="mode"):
+        gproj_patch.enable(mode="sometimes")
+    assert not gproj_patch.is_enabled()
+
+
+def test_attention_without_enable_is_corrected_and_counted():
+    q, k, v, do = _inputs(Hkv=1, H=2)
+    out = gproj_patch.attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    out.backward(do)
+    ref = reference_backward(q.detach(), k.detach(), v.detach(), do, causal=True)
+    for got, want in zip((q.grad, k.grad, v.grad), ref):
+        assert ((got.double() - want).norm() / want.norm()) < 4e-3
+    s = gproj_patch.stats()
+    assert s["gproj"] + s["fp32"] == 1 and s["original"] == 0
+    assert set(("gproj", "fp32", "original", "fallback_reasons")) <= set(s)
+    gproj_patch.reset_stats()
+    assert gproj_patch.stats()["fp32"] == 0
+
+
+def test_mode_off_and_fp32(caplog):
+    q, k, v, do = _inputs()
+    with gproj_patch.enable(mode="off", targets=("sdpa",)):
+        F.scaled_dot_product_attention(q, k, v).backward(do)
+    assert gproj_patch.stats()["fp32"] == 0 and gproj_patch.stats()["gproj"] == 0
+    with gproj_patch.enable(mode="fp32", targets=("sdpa",)):
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, v).backward(do)
+    s = gproj_patch.stats()
+    assert s["fp32"] == 3 and not s["fallback_reasons"]  # asked for, not a fallback
+
+
+def test_fallback_reason_logged_once(caplog):
+    q, k, v, do = _inputs()
+    with gproj_patch.enable(mode="gproj", targets=("sdpa",)), caplog.at_level("WARNING", "gproj_patch"):
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, v).backward(do)
+    s = gproj_patch.stats()
+    assert s["fp32"] == 3 and sum(s["fallback_reasons"].values()) == 3
+    assert len([r for r in caplog.records if r.name == "gproj_patch"]) == 1
+
+
+@pytest.mark.parametrize("mode", ["auto", "audit"])
+def test_policy_modes(mode):
+    q, k, v, do = _inputs()
+    with gproj_patch.enable(mode=mode, targets=("sdpa",)):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(do)
+    s = gproj_patch.stats()
+    assert s["gproj"] + s["fp32"] + s["original"] == 1
+    assert torch.isfinite(q.grad).all()
+
+
+def test_layer_context():
+    layer_context.new_step()
+    assert layer_context.layer_id() == "call0" and layer_context.layer_id() == "call1"
+    with gproj_patch.layer_scope("blk.3"):
+        assert gproj_patch.current_layer() == "blk.3" and layer_context.layer_id() == "blk.3"
+    layer_context.backward_ran()
+    assert layer_context.layer_id() == "call0"  # a backward ran: a new step starts
+
+
+def test_stats_shape_class_and_threads():
+    telemetry.record_backward("fp32", "r1", ("x",))
+    telemetry.record_backward("fp32", "r1", ("y",))
+    telemetry.record_backward("original")
+    s = gproj_patch.stats()
+    assert s["fp32"] == 2 and s["original"] == 1 and s["fallback_reasons"] == {"r1": 2}
+    with pytest.raises(ValueError):
+        telemetry.record_backward("tf32")

@@ -1,0 +1,201 @@
+"""flash-attn hook: the mechanism (re-registering a custom op's kernel) tested on CPU against ops with FA2's
+schemas defined here; the real module is tested only where flash-attn and a GPU exist."""
+from typing import Optional
+
+import pytest
+import torch
+
+import gproj_patch
+from gproj_patch.backends.reference import reference_backward, reference_forward
+from gproj_patch.integrations import flash_attn as fa_hook
+
+NS = "gproj_fa_test"
+CALLS = {"dense": 0, "varlen": 0}
+
+
+def _plain_backward(dout, q, k, v, scale, causal, cu=None):
+    """What the 'original' kernel computes here (any answer would do: tests only check which kernel ran)."""
+    varlen = cu is not None
+    grads = reference_backward(*(_bhsd(t, varlen) for t in (q, k, v, dout)), scale=scale, causal=causal,
+                               causal_align="bottom_right", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    return [g[0].transpose(0, 1) if varlen else g.transpose(1, 2) for g in grads]
+
+
+@torch.library.custom_op(f"{NS}::_flash_attn_backward", mutates_args=("dq", "dk", "dv"), device_types=("cpu",))
+def _fa_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+            dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+            window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+            deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+    CALLS["dense"] += 1
+    for buf, g in zip((dq, dk, dv), _plain_backward(dout, q, k, v, softmax_scale, causal)):
+        buf.copy_(g)
+    return softmax_lse.new_zeros(q.shape[0], q.shape[2], 128)
+
+
+@torch.library.custom_op(f"{NS}::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"),
+                         device_types=("cpu",))
+def _fa_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+                   dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                   max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+                   window_size_left: int, window_size_right: int, softcap: float,
+                   alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                   rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor:
+    CALLS["varlen"] += 1
+    for buf, g in zip((dq, dk, dv), _plain_backward(dout, q, k, v, softmax_scale, causal, cu_seqlens_q)):
+        buf.copy_(g)
+    return softmax_lse.new_zeros(q.shape[1], q.shape[0] + 128)
+
+
+# bound at import time, as flash_attn_interface does (``_wrapped_flash_attn_backward = torch.ops...``)
+_wrapped_bwd = torch.ops.gproj_fa_test._flash_attn_backward
+_wrapped_varlen_bwd = torch.ops.gproj_fa_test._flash_attn_varlen_backward
+
+
+def _fa_inputs(B=2, S=32, H=4, Hkv=2, D=16, offset=16.0, seed=0, varlen_lens=None):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(varlen_lens) if varlen_lens else S
+    shape = (total, H, D) if varlen_lens else (B, S, H, D)
+    kshape = (total, Hkv, D) if varlen_lens else (B, S, Hkv, D)
+    q = torch.randn(*shape, generator=g).bfloat16()
+    k = (torch.randn(*kshape, generator=g) + offset).bfloat16()
+    v = torch.randn(*kshape, generator=g).bfloat16()
+    do = torch.randn(*shape, generator=g).bfloat16()
+    return q, k, v, do
+
+
+def _bhsd(x, varlen):
+    return x.unsqueeze(0).transpose(1, 2) if varlen else x.transpose(1, 2)
+
+
+def _forward(q, k, v, causal, cu=None, window=(-1, -1)):
+    varlen = cu is not None
+    out, lse = reference_forward(*(_bhsd(t, varlen) for t in (q, k, v)), causal=causal,
+                                 causal_align="bottom_right", window=window, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out = out.to(q.dtype).transpose(1, 2)
+    return (out[0] if varlen else out).contiguous(), (lse[0] if varlen else lse).float()
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    CALLS.update(dense=0, varlen=0)
+    yield
+    gproj_patch.disable()
+
+
+def _rel(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def _enable_with_test_ops(monkeypatch, mode="gproj"):
+    """enable() patches the CUDA kernels of the ops in FA2_OPS; point it at the test ops' CPU kernels."""
+    monkeypatch.setattr(fa_hook, "FA2_OPS", (f"{NS}::_flash_attn_backward", f"{NS}::_flash_attn_varlen_backward"))
+    monkeypatch.setattr(fa_hook, "FA3_OPS", ())
+    monkeypatch.setattr(fa_hook, "DEVICE_TYPE", "cpu")
+    return gproj_patch.enable(mode=mode, targets=("flash_attn",))
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (6, 0))])
+def test_dense_op_kernel_replaced_and_restored(monkeypatch, causal, window):
+    from torch._library.custom_ops import OPDEFS
+    opdef = OPDEFS[f"{NS}::_flash_attn_backward"]
+    original_kernel = opdef._backend_fns["cpu"]
+    q, k, v, do = _fa_inputs()
+    out, lse = _forward(q, k, v, causal, window=window)
+    scale = q.shape[-1] ** -0.5
+    handle = _enable_with_test_ops(monkeypatch)
+    assert handle.installed["flash_attn"].startswith("installed")
+    assert opdef._backend_fns["cpu"] is not original_kernel
+    # a qkv-packed caller: dq, dk, dv are views into one buffer (FlashAttnQKVPackedFunc-style, MHA)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _wrapped_bwd(do, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, window[0], window[1], 0.0, None, False,
+                 torch.zeros(2, dtype=torch.int64))
+    assert CALLS["dense"] == 0, "the original kernel must not run"
+    ref = reference_backward(*(_bhsd(t, False) for t in (q, k, v, do)), causal=causal,
+                             causal_align="bottom_right", window=window)
+    for got, want in zip((dq, dk, dv), ref):
+        assert _rel(_bhsd(got, False), want) < 1e-2
+    assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 1
+    gproj_patch.disable()
+    assert opdef._backend_fns["cpu"] is original_kernel
+    _wrapped_bwd(do, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, window[0], window[1], 0.0, None, False)
+    assert CALLS["dense"] == 1
+
+
+def test_packed_buffer_views_are_written_in_place(monkeypatch):
+    q, k, v, do = _fa_inputs(Hkv=4)
+    out, lse = _forward(q, k, v, True)
+    _enable_with_test_ops(monkeypatch)
+    dqkv = torch.zeros(q.shape[:2] + (3,) + q.shape[2:], dtype=q.dtype)
+    _wrapped_bwd(do, q, k, v, out, lse, dqkv[:, :, 0], dqkv[:, :, 1], dqkv[:, :, 2], 0.0, q.shape[-1] ** -0.5,
+                 True, -1, -1, 0.0, None, False)
+    ref = reference_backward(*(_bhsd(t, False) for t in (q, k, v, do)), causal=True, causal_align="bottom_right")
+    for idx, want in enumerate(ref):
+        assert _rel(_bhsd(dqkv[:, :, idx], False), want) < 1e-2
+
+
+def test_varlen_op(monkeypatch):
+    lens = [5, 19, 8]
+    cu = torch.tensor([0, 5, 24, 32], dtype=torch.int32)
+    q, k, v, do = _fa_inputs(varlen_lens=lens)
+    out, lse = _forward(q, k, v, True, cu=cu)
+    _enable_with_test_ops(monkeypatch)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _wrapped_varlen_bwd(do, q, k, v, out, lse, dq, dk, dv, cu, cu, max(lens), max(lens), 0.0, q.shape[-1] ** -0.5,
+                        True, -1, -1, 0.0, None, False, None)
+    assert CALLS["varlen"] == 0
+    ref = reference_backward(*(_bhsd(t, True) for t in (q, k, v, do)), causal=True, causal_align="bottom_right",
+                             cu_seqlens_q=cu, cu_seqlens_k=cu)
+    for got, want in zip((dq, dk, dv), ref):
+        assert _rel(_bhsd(got, True), want) < 1e-2
+
+
+def test_dropout_and_alibi_go_to_the_original_kernel(monkeypatch):
+    q, k, v, do = _fa_inputs()
+    out, lse = _forward(q, k, v, True)
+    _enable_with_test_ops(monkeypatch)
+    bufs = [torch.empty_like(t) for t in (q, k, v)]
+    _wrapped_bwd(do, q, k, v, out, lse, *bufs, 0.1, 0.25, True, -1, -1, 0.0, None, False)
+    _wrapped_bwd(do, q, k, v, out, lse, *bufs, 0.0, 0.25, True, -1, -1, 0.0, torch.ones(4), False)
+    assert CALLS["dense"] == 2
+    s = gproj_patch.stats()
+    assert s["original"] == 2 and any("dropout" in r for r in s["fallback_reasons"])
+    assert any("ALiBi" in r for r in s["fallback_reasons"])
+
+
+def test_mode_off_runs_original(monkeypatch):
+    q, k, v, do = _fa_inputs()
+    out, lse = _forward(q, k, v, True)
+    _enable_with_test_ops(monkeypatch, mode="off")
+    bufs = [torch.empty_like(t) for t in (q, k, v)]
+    _wrapped_bwd(do, q, k, v, out, lse, *bufs, 0.0, 0.25, True, -1, -1, 0.0, None, False)
+    assert CALLS["dense"] == 1 and gproj_patch.stats()["original"] == 1
+
+
+def test_enable_without_flash_attn_skips_cleanly():
+    if fa_hook._importable("flash_attn"):
+        pytest.skip("flash-attn is installed")
+    h = gproj_patch.enable(targets=("flash_attn",))
+    assert h.installed["flash_attn"].startswith("skipped")
+
+
+@pytest.mark.gpu
+def test_real_flash_attn_func():
+    flash_attn = pytest.importorskip("flash_attn")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    q, k, v, do = (t.cuda() for t in _fa_inputs(S=256, D=64))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    func = flash_attn.flash_attn_func  # bound before enable(), as HF does
+    with gproj_patch.enable(targets=("flash_attn",)):
+        out = func(q, k, v, causal=True)
+        out.backward(do)
+    s = gproj_patch.stats()
+    assert s["gproj"] + s["fp32"] == 1
+    ref = reference_backward(*(_bhsd(t.detach(), False) for t in (q, k, v, do)), causal=True,
+                             causal_align="bottom_right")
+    for got, want in zip((q.grad, k.grad, v.grad), ref):
+        assert _rel(_bhsd(got, False), want.to(got.device)) < 1e-2

@@ -1,0 +1,178 @@
+"""The SDPA hook: same forward bits, corrected backward, untouched original paths, documented limitations."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import gproj_patch
+from gproj_patch import autograd as gp_autograd
+from gproj_patch.backends.reference import reference_backward
+from gproj_patch.backends.spec import MaskSpec
+
+from torch.nn.functional import scaled_dot_product_attention as bound_before_enable  # the documented limitation
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for var in ("GPROJ_MODE", "GPROJ_TARGETS", "GPROJ_TIER", "GPROJ_LOG_LEVEL", "GPROJ_DETERMINISTIC"):
+        monkeypatch.delenv(var, raising=False)
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    gproj_patch.enable(targets=("sdpa",))
+    yield
+    gproj_patch.disable()
+
+
+def _inputs(dtype=torch.bfloat16, B=2, H=4, Hkv=None, Sq=24, Sk=None, D=16, offset=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, generator=g).to(dtype).requires_grad_()
+    k = (torch.randn(B, Hkv or H, Sk or Sq, D, generator=g) + offset).to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv or H, Sk or Sq, D, generator=g).to(dtype).requires_grad_()
+    do = torch.randn(B, H, Sq, D, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _rel(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+CASES = {
+    "full": dict(),
+    "causal": dict(is_causal=True),
+    "causal_sq_lt_sk": dict(is_causal=True, Sk=40),
+    "gqa": dict(is_causal=True, Hkv=2, enable_gqa=True),
+    "bool_mask": dict(mask="bool"),
+    "float_mask": dict(mask="float"),
+    "sliding_bool_mask": dict(mask="window"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_bitwise_and_backward_corrected(case, dtype):
+    spec = dict(CASES[case])
+    mask_kind = spec.pop("mask", None)
+    is_causal, gqa = spec.pop("is_causal", False), spec.pop("enable_gqa", False)
+    q, k, v, do = _inputs(dtype, offset=8.0, **spec)
+    Sq, Sk = q.shape[2], k.shape[2]
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(q.shape[0], 1, Sq, Sk, generator=torch.Generator().manual_seed(1)) > 0.3
+        mask[..., 0] = True
+    elif mask_kind == "float":
+        mask = torch.randn(1, q.shape[1], Sq, Sk, generator=torch.Generator().manual_seed(2)).to(dtype)
+    elif mask_kind == "window":
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sk)[None, :]
+        mask = MaskSpec(causal=True, window=(5, -1)).visible(i, j, Sq, Sk)
+    kw = dict(attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, **kw)
+    with torch.no_grad():
+        plain = bound_before_enable(q, k, v, **kw)
+    assert torch.equal(out, plain), "the forward must be the unpatched forward, bit for bit"
+    out.backward(do)
+    ref = reference_backward(q.detach(), k.detach(), v.detach(), do, attn_mask=mask, causal=is_causal)
+    tol = 4 * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11)
+    for got, want in zip((q.grad, k.grad, v.grad), ref):
+        assert _rel(got, want) < tol
+    s = gproj_patch.stats()
+    assert s["gproj"] + s["fp32"] == 1 and s["original"] == 0
+
+
+def test_large_key_offset_stays_accurate():
+    """The point of the patch: with a large common key offset the patched dq stays at BF16 accuracy."""
+    q, k, v, do = _inputs(torch.bfloat16, B=1, H=2, Sq=64, D=32, offset=64.0)
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+    dq_ref = reference_backward(q.detach(), k.detach(), v.detach(), do, causal=True)[0]
+    assert _rel(q.grad, dq_ref) < 1e-2
+
+
+def test_no_grad_and_no_requires_grad_take_original_path():
+    q, k, v, _ = _inputs()
+    with torch.no_grad():
+        F.scaled_dot_product_attention(q, k, v)
+    F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach())
+    s = gproj_patch.stats()
+    assert s["forward"] == {} and s["fp32"] == s["gproj"] == 0
+
+
+def test_fp32_inputs_take_original_path_exactly():
+    q, k, v, do = _inputs(torch.float32)
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    bound_before_enable(q, k, v, is_causal=True).backward(do)
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+    assert gproj_patch.stats()["forward"] == {}
+
+
+def test_sdpa_kernel_context_is_respected():
+    q, k, v, do = _inputs()
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with torch.no_grad():
+            plain = bound_before_enable(q, k, v, is_causal=True)
+    assert torch.equal(out, plain)
+    out.backward(do)  # no LSE from the math backend: FP32 tier
+    assert gproj_patch.stats()["fp32"] == 1
+
+
+def test_dropout_runs_fp32_tier_forward_and_backward():
+    q, k, v, do = _inputs()
+    torch.manual_seed(5)
+    out1 = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+    out1.backward(do)
+    g1 = q.grad.clone()
+    q.grad = None
+    torch.manual_seed(5)
+    out2 = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+    out2.backward(do)
+    assert torch.equal(out1, out2) and torch.equal(g1, q.grad)  # one seed drives forward and backward
+    s = gproj_patch.stats()
+    assert s["fp32"] == 2 and any("dropout" in r for r in s["fallback_reasons"])
+
+
+def test_prebound_reference_is_not_covered_but_attention_is():
+    """Documented limitation: a reference bound before enable() keeps the original backward."""
+    q, k, v, do = _inputs()
+    bound_before_enable(q, k, v).backward(do)
+    assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 0
+    gproj_patch.attention(q, k, v).backward(do)
+    assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 1
+
+
+def test_unsupported_layouts_fall_back_to_original_with_reason():
+    q, k, v, do = _inputs()
+    out = F.scaled_dot_product_attention(q[0], k[0], v[0])  # 3-D
+    out.backward(do[0])
+    s = gproj_patch.stats()
+    assert s["fp32"] == 0 and any("4-D" in r for r in s["fallback_reasons"])
+
+
+def test_mask_as_flags():
+    S = 12
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    causal = (j <= i).expand(2, 1, S, S)
+    assert gp_autograd.mask_as_flags(causal, S, S)[1:] == (True, "top_left", (-1, -1))
+    win = MaskSpec(causal=True, window=(3, -1)).visible(i, j, S, S)
+    assert gp_autograd.mask_as_flags(win, S, S)[1:] == (True, "top_left", (3, -1))
+    assert gp_autograd.mask_as_flags(torch.ones(S, S, dtype=torch.bool), S, S)[:2] == (None, False)
+    pad = causal.clone()
+    pad[1, ..., :2] = False
+    m, c, _, _ = gp_autograd.mask_as_flags(pad, S, S)
+    assert m is pad and not c
+    br = MaskSpec(causal=True, causal_align="bottom_right").visible(i[:5], j, 5, S)
+    assert gp_autograd.mask_as_flags(br, 5, S)[1:3] == (True, "bottom_right")
+
+
+def test_triton_kernel_path_under_interpreter(monkeypatch):
+    """fp16 on CPU runs the GProj Triton kernel through Triton's interpreter (the CUDA path's plumbing)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v, do = _inputs(torch.float16, B=1, H=2, Hkv=1, Sq=16, D=16, offset=4.0)
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
+    s = gproj_patch.stats()
+    assert s["gproj"] == 1, s
+    ref = reference_backward(q.detach(), k.detach(), v.detach(), do, causal=True)
+    for got, want in zip((q.grad, k.grad, v.grad), ref):
+        assert _rel(got, want) < 4 * 2.0 ** -11

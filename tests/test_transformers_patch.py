@@ -1,0 +1,117 @@
+"""HF Transformers: attn_implementation="gproj" (and "sdpa" through the SDPA hook) against an eager run."""
+import copy
+
+import pytest
+import torch
+
+import gproj_patch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig  # noqa: E402
+
+SEQ, VOCAB = 24, 64
+
+
+def _configs():
+    small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=64)
+    return {"llama": LlamaConfig(num_key_value_heads=4, **small),
+            "mistral_gqa_window": MistralConfig(num_key_value_heads=2, sliding_window=8, **small)}
+
+
+@pytest.fixture(autouse=True)
+def _enabled():
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    gproj_patch.enable(targets=("sdpa", "transformers"))
+    yield
+    gproj_patch.disable()
+
+
+def _models(cfg, dtype, impls):
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=dtype)
+    out = {"eager": base}
+    for impl in impls:
+        m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl[0], dtype=impl[1])
+        m.load_state_dict(base.state_dict())
+        out[impl] = m
+    return out
+
+
+def _run(model, ids, mask, labels):
+    model.zero_grad()
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.detach().double(), {n: p.grad.detach().double() for n, p in model.named_parameters()}
+
+
+def _batch(padded):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    if padded:  # right padding: no query row is fully masked, so every backend defines every row
+        mask[1, -5:] = 0
+        labels[1, -5:] = -100
+    return ids, mask, labels
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", ["llama", "mistral_gqa_window"])
+def test_fp32_weights_match_eager_tightly(name, padded):
+    cfg = _configs()[name]
+    models = _models(cfg, torch.float32, [("gproj", torch.float32)])
+    ids, mask, labels = _batch(padded)
+    loss_e, grads_e = _run(models["eager"], ids, mask, labels)
+    loss_g, grads_g = _run(models[("gproj", torch.float32)], ids, mask, labels)
+    assert torch.allclose(loss_g, loss_e, rtol=1e-5, atol=1e-6)
+    for n in grads_e:
+        assert torch.allclose(grads_g[n], grads_e[n], rtol=1e-4, atol=1e-6), n
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", ["llama", "mistral_gqa_window"])
+@pytest.mark.parametrize("impl", ["gproj", "sdpa"])
+def test_bf16_gradients_within_flash_attention_style_tolerance(name, padded, impl):
+    """As flash-attention's tests do: the BF16 error against a high-precision reference must be at most
+    twice the error of the plain BF16 eager implementation (plus a small absolute floor)."""
+    cfg = _configs()[name]
+    models = _models(cfg, torch.bfloat16, [(impl, torch.bfloat16), ("eager", torch.float64)])
+    ids, mask, labels = _batch(padded)
+    loss_ref, grads_ref = _run(models[("eager", torch.float64)], ids, mask, labels)
+    loss_e, grads_e = _run(models["eager"], ids, mask, labels)
+    loss_g, grads_g = _run(models[(impl, torch.bfloat16)], ids, mask, labels)
+    assert abs(loss_g - loss_ref) <= 2 * abs(loss_e - loss_ref) + 1e-2
+    for n in grads_ref:
+        scale = grads_ref[n].abs().max().item()
+        err_g = (grads_g[n] - grads_ref[n]).abs().max().item()
+        err_e = (grads_e[n] - grads_ref[n]).abs().max().item()
+        assert err_g <= 2 * err_e + 1e-3 * scale, (n, err_g, err_e)
+    s = gproj_patch.stats()
+    assert s["gproj"] + s["fp32"] == cfg.num_hidden_layers, s  # every layer's backward was the corrected one
+    if not padded and name == "mistral_gqa_window":
+        # HF's sliding-window boolean mask is recognised as causal + window flags (no "attn_mask" fallback)
+        assert not any(r == "attn_mask" for r in s["fallback_reasons"]), s
+
+
+def test_layer_names_and_inference_path(monkeypatch):
+    seen = []
+    from gproj_patch.backends import dispatch
+    real = dispatch.corrected_backward
+    monkeypatch.setattr(dispatch, "corrected_backward", lambda *a, **kw: seen.append(kw["layer"]) or real(*a, **kw))
+    cfg = _configs()["mistral_gqa_window"]
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="gproj", dtype=torch.bfloat16)
+    ids, mask, labels = _batch(False)
+    with torch.no_grad():  # inference: exactly HF's sdpa path, nothing counted
+        model(input_ids=ids)
+    assert gproj_patch.stats()["forward"] == {}
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert sorted(seen) == ["MistralAttention.0", "MistralAttention.1"]
+
+
+def test_disable_unregisters_gproj():
+    from transformers.modeling_utils import AttentionInterface
+    assert "gproj" in AttentionInterface._global_mapping
+    gproj_patch.disable()
+    assert "gproj" not in AttentionInterface._global_mapping
