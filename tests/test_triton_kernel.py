@@ -145,6 +145,14 @@ def test_strided_inputs_and_lse_layouts():
     check(q2, k2, v2, do, lse_view=lambda l: torch.cat([l, torch.zeros(B, H, 32 - S)], -1))
 
 
+@pytest.mark.parametrize("cap", [1.0, 2.0, 5.0])
+def test_softcap(cap):
+    # cap 1 saturates part of the scores, cap 5 is the mild regime. (Where tanh saturates so far that
+    # τ' is 0 in torch's fp32 tanh but ~1e-7 in the kernel's exp2 form, ρ's t/τ' term differs: not tested.)
+    q, k, v, do = make(1, 2, 1, 29, 35, 32, offset=2.0, seed=12)
+    check(q, k, v, do, forms=("two_product", "fused"), uncorrected=True, softcap=cap, causal=True)
+
+
 def test_fully_masked_rows_get_zero_gradients():
     q, k, v, do = make(1, 1, 1, 8, 8, 32, seed=10)
     o, lse = forward(q, k, v, window=(0, 0))
@@ -188,7 +196,7 @@ def test_deterministic_and_scale():
 def test_unsupported_reasons(monkeypatch):
     q, k, v, _ = make(1, 1, 1, 8, 8, 32)
     assert kernel_unsupported_reason(q, k, v) is None
-    assert kernel_unsupported_reason(q, k, v, softcap=30.0) == "softcap"
+    assert kernel_unsupported_reason(q, k, v, softcap=30.0) is None
     assert kernel_unsupported_reason(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool)) == "attn_mask"
     assert kernel_unsupported_reason(q, k, v, dropout_p=0.1) == "dropout"
     assert kernel_unsupported_reason(q.float(), k.float(), v.float()) == "dtype=float32"

@@ -32,12 +32,17 @@ every input, LSE (B, H, S) fp32 any strides (any layout ``spec.normalize_lse`` a
 The kernels use no atomics, so results are bitwise deterministic; ``deterministic=True`` is accepted and
 changes nothing.
 
-**Not supported** (``kernel_unsupported_reason`` says so; callers fall back to the FP32 tier):
-``softcap > 0`` — with a softcap the zero row sum belongs to dS *before* the tanh derivative
-(g_ij = P(dP − D) has Σ_j g = 0, but the rounded operand is t = low(g ∘ (1 − tanh²)), whose row sum is not
-zero even exactly), so the projection t − λr is wrong there; the right projection weighs r by the tanh
-derivative and needs another rounded product, not written yet. Also not supported: ``attn_mask``, dropout,
-fp32/fp64 inputs, head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, DESIGN.md §3).
+**Softcap** (c > 0, score = c·tanh(α q·k / c)). The conservation law Σ_j g_ij = 0 holds for the gradient
+with respect to the *capped* score, g = P∘(dP − D), before the tanh derivative τ' = 1 − tanh² multiplies it;
+the rounded operand is t = low(g∘τ'), whose row sum is not zero even exactly. So the row mass is measured
+in capped-score units and the correction goes through the same τ' (the emulation's form, emulation.py):
+ρ = Σ_j t_j/τ'_j (g_j where τ'_j = 0; an fp32 ALU row sum, the one reduction not on the tensor cores),
+m = Σ r, w = low(r∘τ'), dq = α(tK − λ·wK), dk = α(tᵀQ − low(λw)ᵀQ) or α·low((g − λP)∘τ')ᵀQ. With a softcap
+there is no exact gauge symmetry (tanh is not translation-equivariant): this reduces the rounding bias, it
+does not restore an invariance. tanh is computed from exp2 (no libdevice, so the interpreter runs it too).
+
+**Not supported** (``kernel_unsupported_reason`` says so; callers fall back to the FP32 tier): ``attn_mask``,
+dropout, fp32/fp64 inputs, head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, DESIGN.md §3).
 
 **CPU.** With ``GPROJ_TIER=triton`` or ``TRITON_INTERPRET=1`` in the environment, CPU fp16 tensors run the same
 kernels through Triton's interpreter (slow; meant for CI). The interpreted copy of the kernels is loaded
@@ -147,8 +152,6 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return "attn_mask"
     if dropout_p and dropout_p > 0.0:
         return "dropout"
-    if softcap and softcap > 0.0:
-        return "softcap"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype={str(q.dtype).replace('torch.', '')}"
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -261,13 +264,14 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     with (_interpreter_patch() if interpret else contextlib.nullcontext()):
         _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu_q, cu_k, varlen, Z, MQ, MK,
-                H, HKV, SQ, SK, D, BD, left, right, has_l, has_r, bottom_right, alpha, bool(correct),
-                dk_form == "fused", (bm_q, bn_q, w_q, st_q), (bm_k, bn_k, w_k, st_k))
+                H, HKV, SQ, SK, D, BD, left, right, has_l, has_r, bottom_right, alpha, float(mask.softcap),
+                bool(correct), dk_form == "fused", (bm_q, bn_q, w_q, st_q), (bm_k, bn_k, w_k, st_k))
     return dq, dk, dv
 
 
 def _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu_q, cu_k, varlen, Z, MQ, MK,
-            H, HKV, SQ, SK, D, BD, left, right, has_l, has_r, bottom_right, alpha, correct, fused, cq, ck):
+            H, HKV, SQ, SK, D, BD, left, right, has_l, has_r, bottom_right, alpha, softcap, correct, fused, cq,
+            ck):
     bm_q, bn_q, w_q, st_q = cq
     bm_k, bn_k, w_k, st_k = ck
     B = q.shape[0]
@@ -279,20 +283,21 @@ def _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu
         H, SQ, D, BLOCK_S=BS, BLOCK_D=BD, num_warps=4)
 
     group = H // HKV
-    common = dict(BOTTOM_RIGHT=bottom_right, HAS_L=has_l, HAS_R=has_r, VARLEN=varlen, CORRECT=correct,
-                  EVEN_D=even_d)
+    cap = (alpha / softcap, softcap * math.log2(math.e)) if softcap > 0 else (1.0, 1.0)
+    common = dict(SOFTCAP=softcap > 0, BOTTOM_RIGHT=bottom_right, HAS_L=has_l, HAS_R=has_r, VARLEN=varlen,
+                  CORRECT=correct, EVEN_D=even_d)
     if MQ == 0 or MK == 0:
         return  # every sequence empty on one side: gradients are the zeros already there
     kq = km._bwd_dq[(triton.cdiv(MQ, bm_q), H, Z)](
         q, k, v, do, dq, delta, lse2, lam, cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e),
+        H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap,
         EVEN_M=(not varlen) and SQ % bm_q == 0, EVEN_N=(not varlen) and SK % bn_q == 0,
         BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=BD, num_warps=w_q, num_stages=st_q, **common)
     kk = km._bwd_dkdv[(triton.cdiv(MK, bn_k), HKV, Z)](
         q, k, v, do, dk, dv, delta, lse2, lam, cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e),
+        H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap,
         FUSED=fused,
         EVEN_M=(not varlen) and SQ % bm_k == 0, EVEN_N=(not varlen) and SK % bn_k == 0,
         BLOCK_M=bm_k, BLOCK_N=bn_k, BLOCK_D=BD, num_warps=w_k, num_stages=st_k, **common)

@@ -102,15 +102,37 @@ def _preprocess(O, DO, LSE, Delta, LSE2,
 
 
 @triton.jit
-def _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, offs_m, start_n,
+def _probs(s, lse2b, scale_log2, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """P = exp(score − lse) from the raw dot s = q·k (fp32), and τ' = 1 − tanh² under a softcap.
+
+    Softcap: score = c·tanh(α s / c); ``cap_in`` = α / c, ``cap_out`` = c·log2(e). tanh from exp2 (no
+    overflow), with a short series for |y| < 1/16 where 1 − e^{−2|y|} would cancel."""
+    if SOFTCAP:
+        y = s * cap_in
+        ay = tl.abs(y)
+        e = tl.math.exp2(ay * -2.8853900817779268)
+        th = (1.0 - e) / (1.0 + e)
+        y2 = ay * ay
+        th = tl.where(ay < 0.0625, ay * (1.0 - y2 * (0.3333333333333333 - y2 * 0.13333333333333333)), th)
+        th = tl.where(y < 0.0, -th, th)
+        p = tl.math.exp2(th * cap_out - lse2b)
+        tau = 1.0 - th * th
+    else:
+        p = tl.math.exp2(s * scale_log2 - lse2b)
+        tau = p  # unused
+    return p, tau
+
+
+@triton.jit
+def _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
              K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right, scale_log2,
-             offs_d, HEAD_DIM,
+             cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP: tl.constexpr,
              MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
              EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v = _load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM, EVEN_N and EVEN_D)
     s = tl.dot(q, tl.trans(k))
-    p = tl.math.exp2(s * scale_log2 - lse2[:, None])
+    p, tau = _probs(s, lse2[:, None], scale_log2, cap_in, cap_out, SOFTCAP)
     if MASK:
         vis = offs_n[None, :] < k_len
         diag = offs_m[:, None] + shift
@@ -120,13 +142,22 @@ def _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, offs_m, start_n,
             vis = vis & (offs_n[None, :] >= diag - win_left)
         p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
-    ds = p * (dp - delta[:, None])
-    t = ds.to(q.dtype)
+    ds = p * (dp - delta[:, None])  # gradient w.r.t. the (capped) score: zero row sum
+    if SOFTCAP:
+        t = (ds * tau).to(q.dtype)
+    else:
+        t = ds.to(q.dtype)
     acc = tl.dot(t, k, acc)
     if CORRECT:
         r = p.to(q.dtype)
-        racc = tl.dot(r, k, racc)
-        sacc = tl.dot(t, e0, sacc)
+        if SOFTCAP:
+            # row mass in capped-score units (t/τ', or the unrounded gradient where τ' = 0); w = low(r τ')
+            mass = tl.where(tau > 0.0, t.to(tl.float32) / tl.where(tau > 0.0, tau, 1.0), ds)
+            sacc = sacc + tl.where(col[None, :] == 0, _rowsum(mass)[:, None], 0.0)
+            racc = tl.dot((r.to(tl.float32) * tau).to(q.dtype), k, racc)
+        else:
+            sacc = tl.dot(t, e0, sacc)
+            racc = tl.dot(r, k, racc)
         sacc = tl.dot(r, e1, sacc)
     return acc, racc, sacc
 
@@ -138,8 +169,8 @@ def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, CU_Q, CU_K,
             sv_b, sv_h, sv_s, sv_d,
             sdo_b, sdo_h, sdo_s, sdo_d,
             sdq_b, sdq_h, sdq_s, sdq_d,
-            H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2,
-            BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
+            H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2, cap_in, cap_out,
+            SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
             VARLEN: tl.constexpr, CORRECT: tl.constexpr,
             EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -202,19 +233,19 @@ def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, CU_Q, CU_K,
         full_hi = tl.maximum(full_hi, full_lo)
 
         for start_n in range(lo, full_lo, BLOCK_N):
-            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, offs_m, start_n,
+            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
                                        K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
-                                       win_right, scale_log2, offs_d, HEAD_DIM,
+                                       win_right, scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP,
                                        True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N)
         for start_n in range(full_lo, full_hi, BLOCK_N):
-            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, offs_m, start_n,
+            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
                                        K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
-                                       win_right, scale_log2, offs_d, HEAD_DIM,
+                                       win_right, scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP,
                                        False, HAS_L, HAS_R, CORRECT, True, EVEN_D, BLOCK_N)
         for start_n in range(full_hi, hi, BLOCK_N):
-            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, offs_m, start_n,
+            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
                                        K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
-                                       win_right, scale_log2, offs_d, HEAD_DIM,
+                                       win_right, scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP,
                                        True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N)
 
         if CORRECT:
@@ -234,8 +265,8 @@ def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, CU_Q, CU_K,
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
-               LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right, scale_log2, offs_d, HEAD_DIM,
-               COLMASK: tl.constexpr, MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
+               LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right, scale_log2, cap_in, cap_out,
+               offs_d, HEAD_DIM, SOFTCAP: tl.constexpr, COLMASK: tl.constexpr, MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
                FUSED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
@@ -251,7 +282,7 @@ def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s
         if CORRECT:
             lam = tl.load(LAM + row0 + offs_m, mask=offs_m < q_len, other=0.0)
     sT = tl.dot(k, tl.trans(q))
-    pT = tl.math.exp2(sT * scale_log2 - lse2[None, :])
+    pT, tauT = _probs(sT, lse2[None, :], scale_log2, cap_in, cap_out, SOFTCAP)
     if COLMASK:  # keys past the end (padding of the last tile): keep their scratch P finite
         pT = tl.where(offs_n[:, None] < k_len, pT, 0.0)
     if MASK:
@@ -265,14 +296,19 @@ def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s
     dpT = tl.dot(v, tl.trans(do))
     rT = pT.to(q.dtype)
     dv = tl.dot(rT, do, dv)
-    if CORRECT:
-        if FUSED:
-            dk = tl.dot((pT * (dpT - delta[None, :] - lam[None, :])).to(q.dtype), q, dk)
-        else:
-            dk = tl.dot((pT * (dpT - delta[None, :])).to(q.dtype), q, dk)
-            dk = tl.dot((-(lam[None, :] * rT.to(tl.float32))).to(q.dtype), q, dk)
+    if CORRECT and FUSED:
+        gT = pT * (dpT - delta[None, :] - lam[None, :])  # t − λr before any rounding, rounded once
     else:
-        dk = tl.dot((pT * (dpT - delta[None, :])).to(q.dtype), q, dk)
+        gT = pT * (dpT - delta[None, :])
+    if SOFTCAP:
+        gT = gT * tauT
+    dk = tl.dot(gT.to(q.dtype), q, dk)
+    if CORRECT and not FUSED:
+        if SOFTCAP:
+            wT = (rT.to(tl.float32) * tauT).to(q.dtype)
+        else:
+            wT = rT
+        dk = tl.dot((-(lam[None, :] * wT.to(tl.float32))).to(q.dtype), q, dk)
     return dk, dv
 
 
@@ -284,8 +320,8 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
               sdo_b, sdo_h, sdo_s, sdo_d,
               sdk_b, sdk_h, sdk_s, sdk_d,
               sdv_b, sdv_h, sdv_s, sdv_d,
-              H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2,
-              BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
+              H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2, cap_in, cap_out,
+              SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
               VARLEN: tl.constexpr, CORRECT: tl.constexpr, FUSED: tl.constexpr,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -339,17 +375,17 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
             for start_m in range(lo, full_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
                                     LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
-                                    scale_log2, offs_d, HEAD_DIM, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
+                                    scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
                                     False, EVEN_D, BLOCK_M)
             for start_m in range(full_lo, full_hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
                                     LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
-                                    scale_log2, offs_d, HEAD_DIM, not EVEN_N, False, HAS_L, HAS_R, CORRECT, FUSED,
+                                    scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP, not EVEN_N, False, HAS_L, HAS_R, CORRECT, FUSED,
                                     True, EVEN_D, BLOCK_M)
             for start_m in range(full_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
                                     LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
-                                    scale_log2, offs_d, HEAD_DIM, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
+                                    scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
                                     False, EVEN_D, BLOCK_M)
 
         dk = dk * scale
