@@ -5,13 +5,16 @@ dv) for the loss ⟨dO, attention(q, k, v)⟩ and compares them with the fp64 or
 
 Backends. Always: ``emulated-uncorrected`` (tiled model of an FA-style low-precision backward), ``emulated-gproj``
 (the same with the GProj projection, two-product dk), ``emulated-gproj-fused`` (fused one-product dk),
-``fp32-tier`` (FP32 recompute with the projection: the fallback tier) and ``fp32-plain`` (FP32 recompute
-without it, for contrast). The emulated backends take the saved O and LSE from ``emulated_forward``. On CUDA
-also ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn`` (``torch.nn.attention.sdpa_kernel`` + autograd),
-``fa2`` (flash_attn), ``fa3`` (flash_attn_interface), ``fa4`` (flash_attn.cute) when importable, and
-``triton-gproj`` when ``gproj_patch.backends.triton_bwd`` imports (on CPU only with GPROJ_TIER=triton,
-TRITON_INTERPRET=1 and ``--dtype fp16``); it is given the emulated forward's O and LSE. A backend that cannot
-express a case (e.g. SDPA with a sliding window) is reported as ``n/a`` with the reason.
+``fp32-tier`` (FP32 recompute with the projection: the fallback tier), ``fp32-plain`` (FP32 recompute
+without it, for contrast) and ``sdpa-flash`` (PyTorch's fused flash backward through
+``torch.nn.attention.sdpa_kernel`` + autograd; PyTorch has one on the CPU too). The emulated backends take
+the saved O and LSE from ``emulated_forward``. On CUDA also ``sdpa-efficient``, ``sdpa-cudnn``, ``fa2``
+(flash_attn), ``fa3`` (flash_attn_interface), ``fa4`` (flash_attn.cute) when importable, and
+``triton-uncorrected`` / ``triton-gproj`` when ``gproj_patch.backends.triton_bwd`` imports (on CPU only with
+GPROJ_TIER=triton, TRITON_INTERPRET=1 and ``--dtype fp16``; given the emulated forward's O and LSE, and
+``kernel_unsupported_reason`` decides n/a). A backend that cannot express a case (e.g. SDPA with a sliding
+window) is reported as ``n/a`` with the reason. The fused kernels return gradients in the input dtype, so
+their errors include that final rounding (≈ u/2); the emulation and the FP32 tier return fp32.
 
 Metrics (all in fp64):
   * ``dq``, ``dk``, ``dv``: relative error ‖x − ref‖ / ‖ref‖. When ‖ref‖ = 0 exactly (e.g. Sk = 1, where the
@@ -23,7 +26,7 @@ Metrics (all in fp64):
 
 JSON (``--json PATH``), one object:
   ``tool``: "gproj_patch audit"; ``version``; ``torch``; ``device``; ``dtype`` ("bf16"|"fp16"); ``quick``;
-  ``seed``; ``elapsed_s``; ``translation_sigma`` (16);
+  ``seed``; ``threads``; ``elapsed_s``; ``translation_sigma`` (16);
   ``backends``: names that ran; ``skipped_backends``: {name: reason} for those not available here;
   ``cases``: [{``name``, ``description``, ``gauge_regime``, ``key_offset`` (σ units or null), ``sweep``,
   ``shape`` {B, Hq, Hkv, Sq, Sk, D}, ``mask`` (the case's mask kwargs, cu_seqlens as lists),
@@ -142,10 +145,6 @@ def _flash_reason(inp: CaseInputs) -> Optional[str]:
     m = inp.mask
     if m.get("causal") and m.get("causal_align", "top_left") == "top_left" and inp.q.shape[2] != inp.k.shape[2]:
         return "flash-attn's causal is bottom-right aligned only"
-    if "cu_seqlens_q" in m:
-        lens = (m["cu_seqlens_q"][1:] - m["cu_seqlens_q"][:-1]).tolist()
-        if 0 in lens:
-            return None  # flash-attn varlen accepts empty sequences; let it try
     return None
 
 
@@ -183,10 +182,13 @@ def _triton_reason(inp: CaseInputs) -> Optional[str]:
     return triton_bwd.kernel_unsupported_reason(inp.q, inp.k, inp.v, **inp.mask)
 
 
-def _triton(inp: CaseInputs, k, saved: _Saved) -> Grads:
-    from .backends import triton_bwd
-    o, lse = saved.get(inp, k)
-    return triton_bwd.gproj_backward(inp.do, inp.q, k, inp.v, o.to(inp.q.dtype), lse, correct=True, **inp.mask)
+def _triton(correct: bool):
+    def run(inp: CaseInputs, k, saved: _Saved) -> Grads:
+        from .backends import triton_bwd
+        o, lse = saved.get(inp, k)
+        return triton_bwd.gproj_backward(inp.do, inp.q, k, inp.v, o.to(inp.q.dtype), lse, correct=correct,
+                                         **inp.mask)
+    return run
 
 
 def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[Backend], Dict[str, str]]:
@@ -197,7 +199,7 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[B
     skipped: Dict[str, str] = {}
     cuda = device.type == "cuda"
     for name in ("flash", "efficient", "cudnn"):
-        if cuda:
+        if cuda or name == "flash":  # PyTorch also has a fused flash backward on the CPU
             backends.append(Backend(f"sdpa-{name}", _sdpa(name), _sdpa_reason))
         else:
             skipped[f"sdpa-{name}"] = "needs CUDA"
@@ -213,15 +215,16 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[B
         backends.append(Backend(variant, _flash(variant), _flash_reason))
     interp = os.environ.get("GPROJ_TIER") == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if not cuda and not interp:
-        skipped["triton-gproj"] = "needs CUDA (or GPROJ_TIER=triton TRITON_INTERPRET=1 with --dtype fp16)"
+        skipped["triton"] = "needs CUDA (or GPROJ_TIER=triton TRITON_INTERPRET=1 with --dtype fp16)"
     elif not cuda and dtype != torch.float16:
-        skipped["triton-gproj"] = "Triton's CPU interpreter is exact for fp16 only"
+        skipped["triton"] = "Triton's CPU interpreter is exact for fp16 only"
     else:
         try:
             from .backends import triton_bwd  # noqa: F401
-            backends.append(Backend("triton-gproj", _triton, _triton_reason))
+            backends.append(Backend("triton-uncorrected", _triton(False), _triton_reason))
+            backends.append(Backend("triton-gproj", _triton(True), _triton_reason))
         except Exception as e:
-            skipped["triton-gproj"] = f"gproj_patch.backends.triton_bwd not importable ({type(e).__name__}: {e})"
+            skipped["triton"] = f"gproj_patch.backends.triton_bwd not importable ({type(e).__name__}: {e})"
     return backends, skipped
 
 
@@ -270,7 +273,8 @@ def run_case(case, backends: List[Backend], dtype, device, quick: bool, seed: in
             for name, x, r in zip(("dq", "dk", "dv"), g1, ref1):
                 res[name], res[f"{name}_abs"] = _rel(x, r)
             n1 = float(ref1[0].norm())
-            dd = (g2[0].detach().to("cpu", torch.float64) - g1[0].detach().to("cpu", torch.float64)) - (ref2[0] - ref1[0]).cpu()
+            cpu64 = lambda x: x.detach().to("cpu", torch.float64)
+            dd = (cpu64(g2[0]) - cpu64(g1[0])) - (cpu64(ref2[0]) - cpu64(ref1[0]))
             res["gauge"] = float(dd.norm()) / (n1 if n1 > 0 else 1.0)
             if "dq_index" in inp.expected:
                 res["witness_dq0"] = float(g1[0][inp.expected["dq_index"]])
@@ -428,6 +432,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     p.add_argument("--list", action="store_true", help="list cases and backends, then exit")
     p.add_argument("--strict", action="store_true", help="exit 1 if a done criterion fails")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="CPU threads for torch (default 1: the audit runs many small tile products, and on a "
+                        "shared 2-core machine more threads spin and run up to 10x slower; 0 keeps torch's default)")
     return p
 
 
@@ -460,10 +467,22 @@ def _parse_device(p: argparse.ArgumentParser, name: Optional[str]) -> torch.devi
 
 
 def run_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import fnmatch
-
     device = _parse_device(parser, args.device)
     dtype = DTYPES[args.dtype]
+    if args.threads < 0:
+        parser.error("--threads must be >= 0")
+    prev_threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, parser, device, dtype)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _run(args, parser, device, dtype) -> int:
+    import fnmatch
+
     try:
         cases = select_cases(args.cases)
     except ValueError as e:
@@ -496,7 +515,8 @@ def run_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"{len(results)} cases × {len(names)} backends on {device} ({args.dtype}{', quick' if args.quick else ''}) "
           f"in {elapsed:.1f} s; not run here: " + (", ".join(f"{n} ({w})" for n, w in skipped.items()) or "none"))
     doc = {"tool": "gproj_patch audit", "version": __version__, "torch": torch.__version__, "device": str(device),
-           "dtype": args.dtype, "quick": bool(args.quick), "seed": args.seed, "elapsed_s": round(elapsed, 3),
+           "dtype": args.dtype, "quick": bool(args.quick), "seed": args.seed, "threads": torch.get_num_threads(),
+           "elapsed_s": round(elapsed, 3),
            "translation_sigma": TRANSLATION_SIGMA, "backends": names, "skipped_backends": skipped,
            "cases": results, "checks": ch}
     if args.json_path:
