@@ -95,6 +95,8 @@ def make_case(name, device="cuda", dtype=torch.bfloat16, seed=0):
         offset = 128.0
     elif name == "query_offset":  # not a gauge symmetry: reported, not held to the target
         gauge = False
+    elif name == "softcap":  # Gemma-style softcap; no exact gauge symmetry, reported
+        offset, gauge, kw = 8.0, False, dict(softcap=5.0, causal=True)
     else:
         raise KeyError(name)
     q = torch.randn(B, H, SQ, D, generator=g, device=device, dtype=torch.float64)
@@ -141,7 +143,7 @@ def witness(device="cuda", dtype=torch.bfloat16):
 
 
 SUITE = ["random", "offset8", "offset32", "offset128", "offset512", "sink", "sink64", "sharp_p1", "causal_tl",
-         "causal_br", "gqa", "window", "varlen", "d96", "d128", "d256", "strided", "query_offset", "witness"]
+         "causal_br", "gqa", "window", "varlen", "d96", "d128", "d256", "strided", "query_offset", "softcap", "witness"]
 
 
 def rel(a, b):
@@ -207,10 +209,22 @@ def time_shape(B, H, S, D, causal, cfg=None, fp32_tier=True):
     res = {}
     out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
     o, lse = out[0], out[1]
-    for tag, extra in (("gproj", {}), ("gproj_fused", dict(dk_form="fused")), ("uncorrected", dict(correct=False))):
+    for tag, extra in (("gproj", {}), ("gproj_two", dict(dk_form="two_product")),
+                       ("gproj_fused", dict(dk_form="fused")), ("uncorrected", dict(correct=False))):
         fn = lambda extra=extra: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg, **extra)  # noqa
         fn()
         res[tag] = _bench(fn)
+    # one launch at a time (results invalid, timing only): preprocess, dq kernel, dkdv kernel
+    for corr in (True, False):
+        for part in ("pre", "dq", "dkdv"):
+            triton_bwd._RUN = (part,)
+            try:
+                fn = lambda corr=corr: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg,  # noqa
+                                                      correct=corr)
+                fn()
+                res[f"part_{part}_{'gproj' if corr else 'unc'}"] = _bench(fn)
+            finally:
+                triton_bwd._RUN = ("pre", "dq", "dkdv")
     for tag, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         try:
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
@@ -256,10 +270,12 @@ def time_shape(B, H, S, D, causal, cfg=None, fp32_tier=True):
 
 
 SWEEP = {
-    64: {"dq": [(128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2)],
-         "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 3), (128, 128, 8, 2), (32, 128, 4, 3)]},
-    128: {"dq": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2), (128, 64, 8, 1)],
-          "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (64, 128, 8, 1)]},
+    64: {"dq": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (32, 64, 4, 3)],
+         "dkdv": [(32, 128, 4, 3), (32, 128, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 3),
+                  (64, 64, 4, 3)]},
+    128: {"dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2)],
+          "dkdv": [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 3),
+                   (16, 64, 4, 2), (64, 128, 8, 3)]},
 }
 
 
@@ -304,7 +320,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     import triton
     dev = torch.cuda.get_device_name()
-    log(f"date {datetime.datetime.utcnow().isoformat()}Z  gpu {dev}  torch {torch.__version__}  "
+    log(f"date {datetime.datetime.now(datetime.timezone.utc).isoformat()}Z  gpu {dev}  torch {torch.__version__}  "
         f"triton {triton.__version__}")
     result = dict(gpu=dev, torch=torch.__version__, triton=triton.__version__)
     if args.configs:
@@ -359,7 +375,7 @@ def _pct(x):
 
 
 def markdown(r):
-    lines = [f"### Kernel run {datetime.datetime.utcnow().strftime('%Y-%m-%d %H:%M')} UTC — {r['gpu']}, "
+    lines = [f"### Kernel run {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M')} UTC — {r['gpu']}, "
              f"torch {r['torch']}, triton {r['triton']}", ""]
     if r["suite"]:
         lines += ["BF16, error ‖x − ref‖/‖ref‖ vs fp64 (inputs BF16, saved O BF16). two = GProj two-product dk, "
@@ -379,16 +395,26 @@ def markdown(r):
     if r["timings"]:
         lines += [f"Configs (BLOCK_M, BLOCK_N, warps, stages): {json.dumps(r['configs'])}", "",
                   "Median ms (`triton.testing.do_bench`), BF16 backward; FP32 = forward+backward.", "",
-                  "| B,H,S,D,causal | GProj | GProj fused-dk | uncorrected | cuDNN bwd | flash bwd | FP32 eff fwd+bwd "
-                  "| FP32 tier fwd+bwd | GProj/cuDNN | GProj/unc | FP32/GProj |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"GProj = default dk form ({triton_bwd.DEFAULT_DK_FORM}).", "",
+                  "| B,H,S,D,causal | GProj | two-product dk | fused dk | uncorrected | cuDNN bwd | flash bwd "
+                  "| FP32 eff fwd+bwd | FP32 tier fwd+bwd | GProj/cuDNN | GProj/unc | FP32/GProj |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for t in r["timings"]:
             g = t.get("gproj", float("nan"))
             f = lambda k: t.get(k, float("nan"))  # noqa: E731
             lines.append(f"| {','.join(str(int(x)) if not isinstance(x, bool) else 'T' if x else 'F' for x in t['shape'])} "
-                         f"| {g:.3f} | {f('gproj_fused'):.3f} | {f('uncorrected'):.3f} | {f('cudnn'):.3f} | "
+                         f"| {g:.3f} | {f('gproj_two'):.3f} | {f('gproj_fused'):.3f} | {f('uncorrected'):.3f} | "
+                         f"{f('cudnn'):.3f} | "
                          f"{f('flash'):.3f} | {f('fp32_efficient_fwdbwd'):.2f} | {f('fp32_tier_fwdbwd'):.2f} | "
                          f"×{g / f('cudnn'):.2f} | ×{g / f('uncorrected'):.2f} | "
                          f"×{f('fp32_efficient_fwdbwd') / g:.1f} |")
+        lines += ["", "One launch at a time (ms): preprocess / dq kernel / dkdv kernel, GProj vs uncorrected.", "",
+                  "| B,H,S,D,causal | pre | dq GProj | dq unc | dkdv GProj | dkdv unc |", "|---|---|---|---|---|---|"]
+        for t in r["timings"]:
+            f = lambda k: t.get(k, float("nan"))  # noqa: E731
+            lines.append(f"| {','.join(str(x) for x in t['shape'])} | {f('part_pre_gproj'):.3f} | "
+                         f"{f('part_dq_gproj'):.3f} | {f('part_dq_unc'):.3f} | {f('part_dkdv_gproj'):.3f} | "
+                         f"{f('part_dkdv_unc'):.3f} |")
         lines.append("")
     return "\n".join(lines)
 

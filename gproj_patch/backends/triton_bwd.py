@@ -70,7 +70,7 @@ except Exception:  # pragma: no cover
 
 DK_FORMS = ("two_product", "fused")
 #: dk form used when none is asked for (chosen on the H200 suite, see BENCHMARKS.md)
-DEFAULT_DK_FORM = "two_product"
+DEFAULT_DK_FORM = "fused"
 
 # Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels.
 CONFIGS = {
@@ -80,6 +80,8 @@ CONFIGS = {
 _INTERP_BLOCK = 16
 #: tests and benchmarks set this to fill dense outputs with NaN before the launch (checks every element is written)
 _POISON_OUTPUTS = False
+#: launches to run (benchmarks time the kernels one at a time by removing the others; results then invalid)
+_RUN = ("pre", "dq", "dkdv")
 #: registers / spills of the last compiled launch (for the benchmark's notes)
 LAST_KERNELS: dict = {}
 
@@ -277,10 +279,11 @@ def _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu
     B = q.shape[0]
     even_d = BD == D
     BS = 16 if interpret else 64
-    km._preprocess[(triton.cdiv(SQ, BS), B * H)](
-        o, do, lse, delta, lse2,
-        *o.stride(), *do.stride(), *lse.stride(),
-        H, SQ, D, BLOCK_S=BS, BLOCK_D=BD, num_warps=4)
+    if "pre" in _RUN:
+        km._preprocess[(triton.cdiv(SQ, BS), B * H)](
+            o, do, lse, delta, lse2,
+            *o.stride(), *do.stride(), *lse.stride(),
+            H, SQ, D, BLOCK_S=BS, BLOCK_D=BD, num_warps=4)
 
     group = H // HKV
     cap = (alpha / softcap, softcap * math.log2(math.e)) if softcap > 0 else (1.0, 1.0)
@@ -288,19 +291,22 @@ def _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu
                   CORRECT=correct, EVEN_D=even_d)
     if MQ == 0 or MK == 0:
         return  # every sequence empty on one side: gradients are the zeros already there
-    kq = km._bwd_dq[(triton.cdiv(MQ, bm_q), H, Z)](
-        q, k, v, do, dq, delta, lse2, lam, cu_q, cu_k,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap,
-        EVEN_M=(not varlen) and SQ % bm_q == 0, EVEN_N=(not varlen) and SK % bn_q == 0,
-        BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=BD, num_warps=w_q, num_stages=st_q, **common)
-    kk = km._bwd_dkdv[(triton.cdiv(MK, bn_k), HKV, Z)](
-        q, k, v, do, dk, dv, delta, lse2, lam, cu_q, cu_k,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap,
-        FUSED=fused,
-        EVEN_M=(not varlen) and SQ % bm_k == 0, EVEN_N=(not varlen) and SK % bn_k == 0,
-        BLOCK_M=bm_k, BLOCK_N=bn_k, BLOCK_D=BD, num_warps=w_k, num_stages=st_k, **common)
+    kq = kk = None
+    if "dq" in _RUN:
+        kq = km._bwd_dq[(triton.cdiv(MQ, bm_q), H, Z)](
+            q, k, v, do, dq, delta, lse2, lam, cu_q, cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap,
+            EVEN_M=(not varlen) and SQ % bm_q == 0, EVEN_N=(not varlen) and SK % bn_q == 0,
+            BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=BD, num_warps=w_q, num_stages=st_q, **common)
+    if "dkdv" in _RUN:
+        kk = km._bwd_dkdv[(triton.cdiv(MK, bn_k), HKV, Z)](
+            q, k, v, do, dk, dv, delta, lse2, lam, cu_q, cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap,
+            FUSED=fused,
+            EVEN_M=(not varlen) and SQ % bm_k == 0, EVEN_N=(not varlen) and SK % bn_k == 0,
+            BLOCK_M=bm_k, BLOCK_N=bn_k, BLOCK_D=BD, num_warps=w_k, num_stages=st_k, **common)
     if not interpret:
         LAST_KERNELS.clear()
         for name, kern in (("dq", kq), ("dkdv", kk)):
