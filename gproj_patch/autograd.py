@@ -4,7 +4,8 @@ Eager path (``_SdpaFunction``): the forward calls the original ``scaled_dot_prod
 detached aliases of q, k, v that require grad, so PyTorch picks and runs exactly the kernel it would have picked
 (respecting ``torch.nn.attention.sdpa_kernel``, head-dim padding, mask preprocessing): the output is the
 unpatched output, bit for bit. The LSE is read from the fused autograd node that call created
-(``ScaledDotProduct{Cudnn,Flash,Efficient,FlashForCpu}AttentionBackward0._saved_logsumexp``, computed because the
+(``ScaledDotProduct{Cudnn,Flash,FlashForCpu}AttentionBackward0._saved_logsumexp``,
+``ScaledDotProductEfficientAttentionBackward0._saved_log_sumexp``; computed because the
 aliases require grad). That inner graph is dropped right away unless the mode may ask for the original backward
 ("auto", "audit"), in which case ``torch.autograd.grad`` on it is the original backward, exactly.
 
@@ -50,16 +51,22 @@ class _Params:
     layer: Optional[str]
 
 
-def _find_lse_node(fn, depth: int = 4):
-    """The fused SDPA autograd node (holding ``_saved_logsumexp``) behind ``fn``, or None (math backend)."""
+# saved LSE of the fused nodes: cuDNN, flash (CUDA), flash for CPU, overrideable: "logsumexp"; efficient: "log_sumexp"
+_LSE_ATTRS = ("_saved_logsumexp", "_saved_log_sumexp")
+
+
+def _find_lse(fn, depth: int = 4):
+    """The LSE saved by the fused SDPA autograd node behind ``fn``, or None (math backend)."""
     frontier = [fn]
     for _ in range(depth):
         nxt = []
         for f in frontier:
             if f is None:
                 continue
-            if "ScaledDotProduct" in type(f).__name__ and hasattr(f, "_saved_logsumexp"):
-                return f
+            if "ScaledDotProduct" in type(f).__name__:
+                for attr in _LSE_ATTRS:
+                    if hasattr(f, attr):
+                        return getattr(f, attr)
             nxt.extend(g for g, _ in f.next_functions)
         frontier = nxt
     return None
@@ -126,9 +133,7 @@ class _SdpaFunction(torch.autograd.Function):
                 qi, ki, vi = (t.detach().requires_grad_() for t in (q, k, v))
                 inner = ORIGINAL[0](qi, ki, vi, attn_mask=attn_mask, dropout_p=0.0, is_causal=p.is_causal,
                                     scale=p.scale, enable_gqa=p.enable_gqa)
-            node = _find_lse_node(inner.grad_fn)
-            if node is not None:
-                lse = node._saved_logsumexp
+            lse = _find_lse(inner.grad_fn)
             if p.mode in ("auto", "audit"):
                 ctx.inner = (inner, qi, ki, vi)
             out = inner.detach()

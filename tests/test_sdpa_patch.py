@@ -176,3 +176,16 @@ def test_triton_kernel_path_under_interpreter(monkeypatch):
     ref = reference_backward(q.detach(), k.detach(), v.detach(), do, causal=True)
     for got, want in zip((q.grad, k.grad, v.grad), ref):
         assert _rel(got, want) < 4 * 2.0 ** -11
+
+
+def test_lse_read_from_the_fused_node():
+    """The LSE handed to the kernel is the one the fused forward saved (CPU flash here; cuDNN/flash/efficient
+    on CUDA), and it is the natural-log LSE of the scaled scores."""
+    from gproj_patch.backends.reference import reference_forward
+    from gproj_patch.backends.spec import normalize_lse
+    q, k, v, _ = _inputs(Hkv=2)
+    out = bound_before_enable(q, k, v, is_causal=True, enable_gqa=True)
+    lse = gp_autograd._find_lse(out.grad_fn)
+    assert lse is not None
+    _, ref = reference_forward(q.detach(), k.detach(), v.detach(), causal=True)
+    assert torch.allclose(normalize_lse(lse, *q.shape[:3]).double(), ref, atol=1e-4)
