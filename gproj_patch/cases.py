@@ -121,6 +121,8 @@ def _sink(d: _Draw, quick: bool):
 
     The sink direction e is removed from the other keys' noise so the margin is the same for every row; the
     true dq is then ~e^-20 small while the keys are large — plain FP32 attention fails here (DESIGN §1).
+    In FP16 the e^-20 probabilities and score gradients underflow (below 2^-24), so FP16 kernels, GProj
+    included, lose the true dq here (a range limit, not a gauge leak: ≈ 2 % dq error in the emulation).
     """
     B, H, S = _sizes(quick)
     t = _standard(d, B, H, H, S, S, key_offset=0.0)
