@@ -37,6 +37,7 @@ JSON (``--json PATH``), one object:
   ``fp32_tier_worst_gauge_regime_dq`` and its ``..._case``, ``pass_uncorrected_ge_20pct``,
   ``pass_gproj_le_0p5pct``, ``pass_fp32_tier_le_1e-3``} (null where a case or backend was not run, and for
   ``--dtype fp16``: the criteria are defined for BF16).
+  The file is strict JSON: a non-finite error (a backend returning inf/NaN) is written as "inf" or "nan".
 
 Exit status: 0 when the audit ran (whatever the errors it measured; ``--strict`` makes a failed check exit 1),
 2 for bad arguments.
@@ -247,6 +248,17 @@ def _translated_keys(inp: CaseInputs, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(10007 + seed)
     b = torch.randn(k.shape[-1], generator=gen, dtype=torch.float64) * TRANSLATION_SIGMA * spread
     return (k + b).to(inp.k.dtype).to(inp.k.device)
+
+
+def _finite(x):
+    """JSON-safe copy: non-finite floats become the strings "inf", "-inf", "nan"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _mask_json(mask: dict) -> dict:
@@ -524,7 +536,7 @@ def _run(args, parser, device, dtype) -> int:
            "cases": results, "checks": ch}
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump(doc, f, indent=1, allow_nan=True)
+            json.dump(_finite(doc), f, indent=1, allow_nan=False)
         print(f"wrote {args.json_path}")
     if args.plot:
         write_plot(args.plot, results, names, f"gproj_patch audit — {args.dtype} on {device}"

@@ -185,3 +185,8 @@ def test_select_cases():
         select_cases("nope")
     with pytest.raises(ValueError, match="unknown case"):
         get_case("nope")
+
+
+def test_json_is_strict_with_non_finite_errors():
+    doc = audit._finite({"a": [float("inf"), 1.0, float("nan")], "b": {"c": float("-inf")}})
+    assert json.loads(json.dumps(doc, allow_nan=False)) == {"a": ["inf", 1.0, "nan"], "b": {"c": "-inf"}}

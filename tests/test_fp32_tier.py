@@ -124,3 +124,12 @@ def test_tf32_setting_restored():
     inp = get_case("diffuse").build(dtype=torch.bfloat16, quick=True)
     fp32_backward(inp.q, inp.k, inp.v, inp.do)
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_any_strides():
+    inp = get_case("gqa").build(dtype=torch.bfloat16, quick=True)
+    strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (inp.q, inp.k, inp.v, inp.do)]
+    a = fp32_backward(inp.q, inp.k, inp.v, inp.do)
+    b = fp32_backward(*strided)
+    for x, y in zip(a, b):
+        assert rel(y, x.double()) < 1e-6
