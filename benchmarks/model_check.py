@@ -215,6 +215,8 @@ def run(args):
         t_patch = timed(model, ids, iters, device)
     results["step_ms"] = {"unpatched": t_plain, "patched": t_patch, "overhead": t_patch / t_plain - 1.0}
 
+    results["backends"] = backend_check(args, device)
+
     L = args.offset_layer
     results["done_when"] = {
         "offset_layer_dq_patched_le_0.5pct": err_patch[L]["dq"] <= 5e-3,
@@ -223,6 +225,45 @@ def run(args):
     with open(os.path.join(args.out, "model_check.json"), "w") as f:
         json.dump(results, f, indent=2)
     return results, err_plain, err_patch
+
+
+def backend_check(args, device):
+    """Per SDPA backend (forced with ``sdpa_kernel``): forward bits, which tier ran, dq error vs fp64."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = ([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+                if device.type == "cuda" else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+    S = 256 if args.small else 1024
+    g = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(2, 8, S, 64, device=device, generator=g)
+    k = torch.randn(2, 4, S, 64, device=device, generator=g) + 64.0
+    v = torch.randn(2, 4, S, 64, device=device, generator=g)
+    do = torch.randn(2, 8, S, 64, device=device, generator=g).bfloat16()
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    ref = reference_backward(q, k, v, do, causal=True)
+    rows = []
+    for backend in backends:
+        row = {"backend": backend.name}
+        try:
+            with sdpa_kernel(backend):
+                qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+                plain = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+                plain.backward(do)
+                row["dq_err_unpatched"] = rel(qq.grad, ref[0])
+                gproj_patch.reset_stats()
+                with gproj_patch.enable(mode=args.mode, targets=("sdpa",)):
+                    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+                    out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+                    out.backward(do)
+                row["forward_bitwise_equal"] = bool(torch.equal(out, plain))
+                row["dq_err_patched"] = rel(qq.grad, ref[0])
+                st = gproj_patch.stats()
+                row["tiers"] = {t: st[t] for t in ("gproj", "fp32", "original")}
+                row["fallbacks"] = st["fallback_reasons"]
+        except RuntimeError as exc:  # backend not available for these inputs
+            row["error"] = str(exc).splitlines()[0][:160]
+        rows.append(row)
+        log.info("backend %s", row)
+    return rows
 
 
 def table(results, err_plain, err_patch):
@@ -246,6 +287,13 @@ def table(results, err_plain, err_patch):
               f"backward tiers: gproj {st['gproj']}, fp32 {st['fp32']}, original {st['original']}; "
               f"fallbacks {st['fallback_reasons']}",
               "done-when: " + ", ".join(f"{k}={v}" for k, v in results["done_when"].items())]
+    for row in results.get("backends", []):
+        if "error" in row:
+            lines.append(f"  sdpa backend {row['backend']}: unavailable ({row['error']})")
+        else:
+            lines.append(f"  sdpa backend {row['backend']}: forward bitwise {row['forward_bitwise_equal']}, "
+                         f"dq err (key offset 64) unpatched {row['dq_err_unpatched']:.3%} -> patched "
+                         f"{row['dq_err_patched']:.3%}, tiers {row['tiers']}, fallbacks {row['fallbacks']}")
     return "\n".join(lines)
 
 

@@ -38,6 +38,8 @@ def gproj_attention_forward(module, query, key, value, attention_mask, dropout: 
                                       is_causal=is_causal, **kwargs)
     if kwargs.get("softcap") is not None:
         raise ValueError("attn_implementation='gproj' follows SDPA and does not support `softcap`")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError("attn_implementation='gproj' follows SDPA and does not support attention sinks (s_aux)")
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and causal)
