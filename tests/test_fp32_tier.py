@@ -61,15 +61,16 @@ def test_other_features_match_oracle(name):
     check_close(fp32_backward(inp.q, inp.k, inp.v, inp.do, project=False, **inp.mask), ref, 1e-4)
 
 
-def test_chunking_invariance():
-    inp = get_case("odd_lengths").build(dtype=torch.bfloat16, quick=True)
-    whole = fp32_backward(inp.q, inp.k, inp.v, inp.do)
+@pytest.mark.parametrize("name", ["odd_lengths", "causal_bottom_right", "window"])
+def test_chunking_invariance(name):
+    inp = get_case(name).build(dtype=torch.bfloat16, quick=True)
+    whole = fp32_backward(inp.q, inp.k, inp.v, inp.do, **inp.mask)
     for kw in ({"chunk_size": 1}, {"chunk_size": 7}, {"memory_budget": 4096}):
-        part = fp32_backward(inp.q, inp.k, inp.v, inp.do, **kw)
+        part = fp32_backward(inp.q, inp.k, inp.v, inp.do, **inp.mask, **kw)
         for x, y in zip(whole, part):  # only the fp32 summation order differs (keys are offset by 32σ)
             assert rel(y, x.double()) < 2e-5
-    o1, l1 = fp32_forward(inp.q, inp.k, inp.v)
-    o2, l2 = fp32_forward(inp.q, inp.k, inp.v, chunk_size=5)
+    o1, l1 = fp32_forward(inp.q, inp.k, inp.v, **inp.mask)
+    o2, l2 = fp32_forward(inp.q, inp.k, inp.v, chunk_size=5, **inp.mask)
     assert rel(o2, o1.double()) < 1e-6 and torch.allclose(l1, l2)
 
 

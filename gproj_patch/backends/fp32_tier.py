@@ -105,6 +105,17 @@ def _chunk_len(rows_per_block: int, kl: int, budget: int, chunk_size: Optional[i
     return max(1, budget // (4 * _BLOCKS_PER_CHUNK * max(1, rows_per_block * kl)))
 
 
+def _visible_key_range(spec: MaskSpec, c0: int, c1: int, ql: int, kl: int, device) -> Tuple[int, int]:
+    """[lo, hi): the keys that some query of rows [c0, c1) may see (all of them when the mask is dense)."""
+    if spec.is_dense:
+        return 0, kl
+    cols = spec.visible(torch.arange(c0, c1, device=device)[:, None], torch.arange(kl, device=device)[None, :],
+                        ql, kl).any(0).nonzero()
+    if cols.numel() == 0:
+        return 0, 0
+    return int(cols[0]), int(cols[-1]) + 1
+
+
 class _Chunk:
     __slots__ = ("bs", "rows", "keys", "q", "k", "v", "p", "z", "tau", "lse")
 
@@ -126,16 +137,20 @@ def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu
     for bs, qs, ql, ks, kl in units:
         if ql == 0 or kl == 0:
             continue
-        keys = slice(ks, ks + kl)
-        K = k[bs, :, keys].to(torch.float32).repeat_interleave(group, dim=1)
-        V = v[bs, :, keys].to(torch.float32).repeat_interleave(group, dim=1)
+        K = k[bs, :, ks:ks + kl].to(torch.float32).repeat_interleave(group, dim=1)
+        V = v[bs, :, ks:ks + kl].to(torch.float32).repeat_interleave(group, dim=1)
         nb = K.shape[0]
         step = _chunk_len(nb * Hq, kl, budget, chunk_size)
         for c0 in range(0, ql, step):
             c1 = min(ql, c0 + step)
             rows = slice(qs + c0, qs + c1)
+            lo, hi = _visible_key_range(spec, c0, c1, ql, kl, q.device)
+            if lo >= hi:
+                continue  # no query of this chunk sees a key: output 0, LSE -inf, zero gradients
+            keys = slice(ks + lo, ks + hi)
             Q = q[bs, :, rows].to(torch.float32)
-            s, tau, vis = tile_scores(Q, K, alpha, spec, c0, 0, ql, kl)
+            Kc, Vc = K[:, :, lo:hi], V[:, :, lo:hi]
+            s, tau, vis = tile_scores(Q, Kc, alpha, spec, c0, lo, ql, kl)
             if amask is not None:
                 mb = amask[bs, :, rows, keys]
                 s = s.masked_fill(~mb, float("-inf")) if mb.dtype == torch.bool else s + mb.to(torch.float32)
@@ -147,14 +162,14 @@ def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu
             l = e.sum(-1, keepdim=True)
             p = torch.where(dead, torch.zeros_like(e), e / torch.where(dead, torch.ones_like(l), l))
             ch = _Chunk()
-            ch.bs, ch.rows, ch.keys, ch.q, ch.k, ch.v, ch.p, ch.tau = bs, rows, keys, Q, K, V, p, tau
+            ch.bs, ch.rows, ch.keys, ch.q, ch.k, ch.v, ch.p, ch.tau = bs, rows, keys, Q, Kc, Vc, p, tau
             ch.lse = torch.where(dead, m, m + torch.log(torch.where(dead, torch.ones_like(l), l))).squeeze(-1)
             ch.z = None
             if dropout_p > 0:
                 bidx = list(range(B))[bs]
                 z = torch.stack([dropout_keep(dropout_seed, b, heads,
                                               torch.arange(qs + c0, qs + c1, device=q.device),
-                                              torch.arange(ks, ks + kl, device=q.device), dropout_p)
+                                              torch.arange(ks + lo, ks + hi, device=q.device), dropout_p)
                                  for b in bidx])
                 ch.z = z.to(torch.float32) / (1.0 - dropout_p)
             yield ch
