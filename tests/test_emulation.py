@@ -166,3 +166,24 @@ def test_any_strides():
     o, lse = emulated_forward(*strided[:3])
     b = emulated_backward(*strided[:3], o.transpose(1, 2).contiguous().transpose(1, 2), strided[3], lse)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", ["key_offset_128", "sink_offset_64", "witness"])
+def test_tracks_pytorch_fused_flash_backward(name):
+    """The uncorrected emulation models a real fused BF16 backward: PyTorch's flash kernel (CPU) leaks alike."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    inp = get_case(name).build(dtype=torch.bfloat16, quick=True)
+    q, k, v = (x.clone().requires_grad_(True) for x in (inp.q, inp.k, inp.v))
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = F.scaled_dot_product_attention(q, k, v)
+    except RuntimeError as e:
+        pytest.skip(f"no flash SDPA on this build: {e}")
+    out.backward(inp.do)
+    ref = reference_backward(inp.q, inp.k, inp.v, inp.do)
+    fused, emu = rel(q.grad, ref[0]), rel(run(inp, "bf16", correct=False)[0], ref[0])
+    assert 0.8 < emu / fused < 1.25, (fused, emu)
+    if name == "witness":
+        assert q.grad[0, 0, 0, 0].item() == -24.0
