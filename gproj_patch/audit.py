@@ -388,10 +388,11 @@ def render_table(cases: List[dict], backends: List[str], stream=None) -> None:
     Console(file=stream, width=None if stream.isatty() else 120).print(t)
 
 
-def render_checks(ch: dict, stream=None) -> None:
+def render_checks(ch: dict, dtype: str = "bf16", stream=None) -> None:
     stream = stream or sys.stdout
     fmt = lambda x: "-" if x is None else _pct(x)
-    ok = lambda x: "(criteria defined for bf16)" if x is None else ("PASS" if x else "FAIL")
+    none = "(not run)" if dtype == "bf16" else "(criteria defined for bf16)"
+    ok = lambda x: none if x is None else ("PASS" if x else "FAIL")
     print(f"uncorrected emulation dq @128σ: {fmt(ch['uncorrected_dq_at_128sigma'])} (want ≥ 20%) "
           f"{ok(ch['pass_uncorrected_ge_20pct'])}", file=stream)
     print(f"emulated GProj worst gauge-regime dq: {fmt(ch['gproj_worst_gauge_regime_dq'])} "
@@ -526,7 +527,7 @@ def _run(args, parser, device, dtype) -> int:
     elapsed = time.perf_counter() - t0
     ch = checks(results, args.dtype)
     render_table(results, names)
-    render_checks(ch)
+    render_checks(ch, args.dtype)
     print(f"{len(results)} cases × {len(names)} backends on {device} ({args.dtype}{', quick' if args.quick else ''}) "
           f"in {elapsed:.1f} s; not run here: " + (", ".join(f"{n} ({w})" for n, w in skipped.items()) or "none"))
     doc = {"tool": "gproj_patch audit", "version": __version__, "torch": torch.__version__, "device": str(device),
