@@ -40,6 +40,8 @@ the difference is fp32 rounding).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -48,6 +50,25 @@ from .spec import MaskSpec, default_scale, normalize_lse, segments, validate_cu_
 
 FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DK_FORMS = ("two_product", "fused")
+
+
+@contextlib.contextmanager
+def no_tf32():
+    """fp32 matmuls at full precision inside (TF32 off on CUDA); the previous setting is restored."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def _full_fp32(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with no_tf32():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 def low_dtype(fmt) -> torch.dtype:
@@ -118,6 +139,7 @@ def _prepare(q, k, v, extra, fmt, scale, mask_kwargs):
     return spec, low, alpha, group, low(q), kk, vv, cu_q, cu_k
 
 
+@_full_fp32
 def emulated_forward(q, k, v, *, fmt="bf16", block_n: int = 64, scale: Optional[float] = None, **mask
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Model of an FA2-style low-precision forward: (O rounded to ``fmt`` held in fp32, LSE fp32 (B, Hq, Sq)).
@@ -157,6 +179,7 @@ def emulated_forward(q, k, v, *, fmt="bf16", block_n: int = 64, scale: Optional[
     return out, lse
 
 
+@_full_fp32
 def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, dk_form: str = "two_product",
                       block_m: int = 64, block_n: int = 64, scale: Optional[float] = None,
                       stats: Optional[Dict[str, torch.Tensor]] = None, **mask

@@ -29,27 +29,16 @@ distribution, not sample by sample. ``dropout_p > 0`` requires ``dropout_seed``.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .emulation import tile_scores
+from .emulation import no_tf32 as _no_tf32, tile_scores
 from .spec import MaskSpec, default_scale, segments, validate_cu_seqlens, validate_qkv
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
 _BLOCKS_PER_CHUNK = 10  # fp32 (chunk × Sk) temporaries alive at once in the backward, roughly
 _MASK32 = 0xFFFFFFFF
-
-
-@contextlib.contextmanager
-def _no_tf32():
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(prev)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
