@@ -109,8 +109,9 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
 def resolve(mode=None, targets=None, environ: Optional[Mapping[str, str]] = None, **options) -> Config:
     """Build a Config: explicit arguments first, then the environment, then defaults.
 
-    Unknown keyword options are kept in ``Config.extra`` for modules that read them (e.g. the policy);
-    they must be plain keyword names.
+    Other keyword options are meant for the policy (``gproj_patch.policy.OPTION_NAMES``); they are kept in
+    ``Config.extra``, where the policy reads them (and checks their values). Any other name is logged as a
+    warning (a typo is not silently ignored).
     """
     values = from_env(environ)
     explicit = dict(options)
@@ -124,6 +125,16 @@ def resolve(mode=None, targets=None, environ: Optional[Mapping[str, str]] = None
             values[key] = _PARSERS[key](key, value)
         else:
             extra[key] = value
+    if extra:
+        try:
+            from .policy import OPTION_NAMES
+        except ImportError:  # pragma: no cover - policy module missing
+            OPTION_NAMES = ()
+        unknown = sorted(set(extra) - set(OPTION_NAMES))
+        if unknown:
+            logging.getLogger("gproj_patch").warning(
+                "gproj_patch: unknown option(s) %s ignored; known: %s, and the policy options %s",
+                ", ".join(unknown), ", ".join(_PARSERS), ", ".join(OPTION_NAMES))
     return replace(Config(), **values, extra=tuple(sorted(extra.items())))
 
 

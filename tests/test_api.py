@@ -103,6 +103,15 @@ def test_env_options_and_errors(monkeypatch):
     assert not gproj_patch.is_enabled()
 
 
+def test_unknown_option_warns(caplog):
+    with caplog.at_level("WARNING", "gproj_patch"):
+        config.resolve(mdoe="fp32")  # a typo is reported, not silently ignored
+    assert any("mdoe" in r.getMessage() for r in caplog.records)
+    from gproj_patch import policy
+    name = sorted(policy.OPTION_NAMES)[0]
+    assert dict(config.resolve(**{name: getattr(policy.PolicyConfig(), name)}).extra)  # policy options pass
+
+
 def test_attention_without_enable_is_corrected_and_counted():
     q, k, v, do = _inputs(Hkv=1, H=2)
     out = gproj_patch.attention(q, k, v, is_causal=True, enable_gqa=True)

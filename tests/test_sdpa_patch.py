@@ -189,3 +189,20 @@ def test_lse_read_from_the_fused_node():
     assert lse is not None
     _, ref = reference_forward(q.detach(), k.detach(), v.detach(), causal=True)
     assert torch.allclose(normalize_lse(lse, *q.shape[:3]).double(), ref, atol=1e-4)
+
+
+def test_policy_original_is_the_unpatched_backward_bitwise(monkeypatch):
+    from gproj_patch import policy
+    monkeypatch.setattr(policy, "decide", lambda **kw: "original")
+    seen = []
+    monkeypatch.setattr(policy, "after_backward", lambda **kw: seen.append((kw["layer"], kw["tier"])))
+    gproj_patch.disable()
+    q, k, v, do = _inputs(Hkv=2)
+    bound_before_enable(q, k, v, is_causal=True, enable_gqa=True).backward(do)
+    want = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with gproj_patch.enable(mode="audit", targets=("sdpa",)), gproj_patch.layer_scope("blk0"):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
+    assert all(torch.equal(a, t.grad) for a, t in zip(want, (q, k, v)))
+    assert gproj_patch.stats()["original"] == 1 and seen == [("blk0", "original")]

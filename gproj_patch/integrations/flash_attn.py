@@ -19,6 +19,7 @@ every schema; an argument it does not know that is set to a non-default value se
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
 from typing import Callable, Dict, List, Optional, Tuple
