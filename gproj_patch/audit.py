@@ -45,6 +45,7 @@ Exit status: 0 when the audit ran (whatever the errors it measured; ``--strict``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -468,6 +469,18 @@ def _progress(items, enabled: bool):
         return plain()
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run with ``n`` torch CPU threads (0: unchanged); the previous count is restored afterwards."""
+    prev = torch.get_num_threads()
+    if n > 0:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def _parse_device(p: argparse.ArgumentParser, name: Optional[str]) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -487,13 +500,8 @@ def run_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     dtype = DTYPES[args.dtype]
     if args.threads < 0:
         parser.error("--threads must be >= 0")
-    prev_threads = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _run(args, parser, device, dtype)
-    finally:
-        torch.set_num_threads(prev_threads)
 
 
 def _run(args, parser, device, dtype) -> int:

@@ -2,9 +2,16 @@
 import pytest
 import torch
 
+from gproj_patch.audit import torch_threads
 from gproj_patch.backends.fp32_tier import dropout_keep, fp32_backward, fp32_forward
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.cases import CASES, get_case
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # small tile products: 2-3x faster with one thread on a shared 2-core machine
+    with torch_threads(1):
+        yield
 
 
 def rel(x, ref):
