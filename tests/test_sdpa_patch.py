@@ -206,3 +206,14 @@ def test_policy_original_is_the_unpatched_backward_bitwise(monkeypatch):
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
     assert all(torch.equal(a, t.grad) for a, t in zip(want, (q, k, v)))
     assert gproj_patch.stats()["original"] == 1 and seen == [("blk0", "original")]
+
+
+def test_multihead_attention_module_goes_through_the_hook():
+    """nn.MultiheadAttention (training path) looks SDPA up in torch.nn.functional at call time: covered."""
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.bfloat16)
+    x = torch.randn(2, 10, 32, dtype=torch.bfloat16, requires_grad=True)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(10, dtype=torch.bool)
+    out, _ = mha(x, x, x, need_weights=False, is_causal=True, attn_mask=causal)
+    out.float().sum().backward()
+    s = gproj_patch.stats()
+    assert s["gproj"] + s["fp32"] == 1 and torch.isfinite(x.grad).all()

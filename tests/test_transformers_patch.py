@@ -115,3 +115,15 @@ def test_disable_unregisters_gproj():
     assert "gproj" in AttentionInterface._global_mapping
     gproj_patch.disable()
     assert "gproj" not in AttentionInterface._global_mapping
+
+
+def test_attention_dropout_in_training_runs_fp32_tier():
+    cfg = copy.deepcopy(_configs()["llama"])
+    cfg.attention_dropout = 0.1
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="gproj", dtype=torch.bfloat16).train()
+    ids, mask, labels = _batch(False)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    s = gproj_patch.stats()
+    assert torch.isfinite(loss) and s["fp32"] == cfg.num_hidden_layers
+    assert any("dropout" in r for r in s["fallback_reasons"])
