@@ -73,9 +73,9 @@ DK_FORMS = ("two_product", "fused")
 DEFAULT_DK_FORM = "fused"
 
 # Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels.
-CONFIGS = {
-    "dq": {32: (128, 64, 4, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 8, 1)},
-    "dkdv": {32: (64, 128, 4, 2), 64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 8, 1)},
+CONFIGS = {  # chosen by benchmarks/device_check.py --sweep on the H200 (BENCHMARKS.md, NOTES_kernel.md)
+    "dq": {32: (64, 32, 4, 3), 64: (64, 32, 4, 3), 128: (64, 64, 4, 2), 256: (64, 32, 8, 1)},
+    "dkdv": {32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 2), 256: (32, 64, 8, 1)},
 }
 _INTERP_BLOCK = 16
 #: tests and benchmarks set this to fill dense outputs with NaN before the launch (checks every element is written)
