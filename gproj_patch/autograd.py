@@ -298,12 +298,14 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             or query.dtype not in LOW_PRECISION):
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    reason = _unsupported_reason(query, key, value, attn_mask)
+    if reason is None and compiling:
         return _sdpa_fwd(query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale,
                          bool(enable_gqa), layer or "")[0]
-    reason = _unsupported_reason(query, key, value, attn_mask)
     if reason is not None:
-        telemetry.record_forward("original", f"sdpa: {reason}", telemetry.shape_class("sdpa", query, key))
+        if not compiling:
+            telemetry.record_forward("original", f"sdpa: {reason}", telemetry.shape_class("sdpa", query, key))
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
     telemetry.record_forward("patched")

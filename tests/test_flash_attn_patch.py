@@ -33,6 +33,11 @@ def _fa_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return softmax_lse.new_zeros(q.shape[0], q.shape[2], 128)
 
 
+@_fa_bwd.register_fake
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, *args, **kwargs):
+    return softmax_lse.new_empty(q.shape[0], q.shape[2], 7)  # a distinctive shape: the patched kernel must copy it
+
+
 @torch.library.custom_op(f"{NS}::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"),
                          device_types=("cpu",))
 def _fa_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -111,9 +116,10 @@ def test_dense_op_kernel_replaced_and_restored(monkeypatch, causal, window):
     assert opdef._backend_fns["cpu"] is not original_kernel
     # a qkv-packed caller: dq, dk, dv are views into one buffer (FlashAttnQKVPackedFunc-style, MHA)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _wrapped_bwd(do, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, window[0], window[1], 0.0, None, False,
-                 torch.zeros(2, dtype=torch.int64))
+    ret = _wrapped_bwd(do, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, window[0], window[1], 0.0, None,
+                       False, torch.zeros(2, dtype=torch.int64))
     assert CALLS["dense"] == 0, "the original kernel must not run"
+    assert ret.shape == (q.shape[0], q.shape[2], 7)  # the auxiliary return is shaped by the op's fake kernel
     ref = reference_backward(*(_bhsd(t, False) for t in (q, k, v, do)), causal=causal,
                              causal_align="bottom_right", window=window)
     for got, want in zip((dq, dk, dv), ref):

@@ -77,11 +77,15 @@ def _fallback_reason(b: dict) -> Optional[str]:
     return None
 
 
-def _softmax_d(b: dict, q4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, varlen: bool, source: str):
-    """flash-attn's auxiliary return value (rowsum(dO∘O), as FA2 shapes it); callers discard it."""
+def _softmax_d(b: dict, q4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, varlen: bool, fake=None):
+    """flash-attn's auxiliary return value (rowsum(dO∘O)); callers discard it. Shaped by the op's own fake
+    kernel when it has one (FA3's shape depends on its tile sizes), else as FA2 shapes it."""
+    if fake is not None:
+        try:
+            return fake().zero_()
+        except Exception:  # a fake that cannot run eagerly: fall back to FA2's shape
+            pass
     D = (do4.float() * o4.float()).sum(-1)  # (B, H, S)
-    if "flash_attn_3" in source:
-        return D.new_empty((0,))
     if varlen:
         nseq = _arg(b, "cu_seqlens_q").numel() - 1
         out = D.new_zeros((D.shape[1], D.shape[2] + 128 * nseq))
@@ -93,8 +97,10 @@ def _softmax_d(b: dict, q4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, v
     return out
 
 
-def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, returns: str = "softmax_d"):
-    """The replacement body: ``b`` holds the call's arguments by name; ``original()`` runs the saved kernel."""
+def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, returns: str = "softmax_d",
+                          fake: Optional[Callable[[], torch.Tensor]] = None):
+    """The replacement body: ``b`` holds the call's arguments by name; ``original()`` runs the saved kernel;
+    ``fake()`` (optional) builds the op's auxiliary return value with the op's own shape."""
     cfg = config.active() or config.Config()
     reason = _fallback_reason(b)
     q = _arg(b, "q")
@@ -140,7 +146,7 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
             outs.append(buf)
     if returns == "grads":
         return tuple(outs)
-    return _softmax_d(b, q4, o4, do4, varlen, source)
+    return _softmax_d(b, q4, o4, do4, varlen, fake)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -170,7 +176,9 @@ def patch_op(qualname: str, device_type: str = "cuda") -> Callable[[], None]:
     def kernel(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), source)
+        fake = opdef._abstract_fn
+        return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), source,
+                                     fake=None if fake is None else (lambda: fake(*args, **kwargs)))
 
     kernel.__gproj_patched__ = True
     opdef.register_kernel(device_type)(kernel)
