@@ -96,6 +96,30 @@ def mask_as_flags(attn_mask: Optional[Tensor], sq: int, sk: int):
     return attn_mask, False, "top_left", (-1, -1)
 
 
+def padding_as_flags(attn_mask: Optional[Tensor], do: Tensor, sq: int, sk: int):
+    """Right padding: a boolean mask that is a causal (or causal + sliding window) pattern on every row whose
+    output gradient is nonzero. Returns ``(window, dead_rows (B, Sq) bool)`` or None.
+
+    Rows whose dO is exactly zero (padded positions whose labels are ignored, the usual right-padded batch)
+    contribute nothing to any gradient, whatever their mask row; computing the others with the causal flags is
+    exact, and the dead rows are zeroed by giving them LSE = +inf (P = 0). Only the first candidate pattern
+    that fits is used: causal, else causal with the widest window the mask shows."""
+    if attn_mask is None or attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1] != 1 \
+            or attn_mask.shape[-2:] != (sq, sk) or sq != sk:
+        return None
+    m = attn_mask[:, 0]
+    i = torch.arange(sq, device=m.device)[:, None]
+    j = torch.arange(sk, device=m.device)[None, :]
+    live = do.abs().amax(dim=(1, 3)) != 0  # (B, Sq): rows whose output gradient is nonzero
+    widest = int(m.sum(-1).max())
+    for left in dict.fromkeys((-1, widest - 1 if widest < sk else -1)):
+        pattern = MaskSpec(causal=True, window=(left, -1)).visible(i, j, sq, sk)
+        dead = (m != pattern).any(-1).expand(live.shape[0], sq)  # (B, Sq): rows that differ from the pattern
+        if not bool((dead & live).any()):
+            return (left, -1), dead
+    return None
+
+
 def _new_seed() -> int:
     return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
 
@@ -107,13 +131,20 @@ def _check_sdpa_args(q, k, attn_mask, is_causal, enable_gqa):
         raise RuntimeError("scaled_dot_product_attention: query and key heads differ; pass enable_gqa=True")
 
 
-def _backward_kwargs(p: _Params, q, k, attn_mask):
+def _backward_kwargs(p: _Params, q, k, attn_mask, do=None, lse=None):
+    """Keyword arguments of ``dispatch.corrected_backward``; a mask the kernel can take as flags is replaced
+    (exact patterns; right padding with zero dO on the padded rows, whose LSE is then set to +inf)."""
     mask, causal, align, window = mask_as_flags(attn_mask, q.shape[2], k.shape[2])
     if p.is_causal:
         causal, align = True, "top_left"
+    dead = None
+    if mask is not None and do is not None and p.dropout_p == 0.0:
+        padded = padding_as_flags(mask, do, q.shape[2], k.shape[2])
+        if padded is not None:
+            (window, dead), mask, causal, align = padded, None, True, "top_left"
     return dict(scale=default_scale(q.shape[-1], p.scale), causal=causal, causal_align=align, window=window,
-                attn_mask=mask, dropout_p=p.dropout_p, mode=p.mode, layer=p.layer, source="sdpa",
-                tier_option=p.tier, deterministic=p.deterministic)
+                attn_mask=mask, dead_rows=dead, dropout_p=p.dropout_p, mode=p.mode, layer=p.layer,
+                source="sdpa", tier_option=p.tier, deterministic=p.deterministic)
 
 
 class _SdpaFunction(torch.autograd.Function):
@@ -151,7 +182,7 @@ class _SdpaFunction(torch.autograd.Function):
             def original():
                 return torch.autograd.grad(inner, (qi, ki, vi), do)
         grads = dispatch.corrected_backward(do, q, k, v, out, lse, dropout_seed=ctx.seed, original=original,
-                                            **_backward_kwargs(ctx.p, q, k, attn_mask))
+                                            **_backward_kwargs(ctx.p, q, k, attn_mask, do))
         ctx.inner = None
         return grads[0], grads[1], grads[2], None, None
 
@@ -234,14 +265,15 @@ def _sdpa_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
               enable_gqa: bool) -> Tuple[Tensor, Tensor, Tensor]:
     layer_idx, seed = (int(x) for x in aux.tolist())
     p = _active_params(_LAYER_NAMES[layer_idx], dropout_p, is_causal, scale, enable_gqa)
-    kw = _backward_kwargs(p, q, k, attn_mask)
+    kw = _backward_kwargs(p, q, k, attn_mask, do)
     lse_t = lse if lse.numel() else None
 
     def stand_in():
         mask = {n: kw[n] for n in ("causal", "causal_align", "window")}
         if dispatch.kernel_reason(q, k, v, out, lse_t, attn_mask=kw["attn_mask"], **mask) is None:
             from .backends.triton_bwd import gproj_backward
-            return gproj_backward(do, q, k, v, out, lse_t, scale=kw["scale"], correct=False, **mask)
+            return gproj_backward(do, q, k, v, out, dispatch.kernel_lse(lse_t, kw["dead_rows"], q),
+                                  scale=kw["scale"], correct=False, **mask)
         from .backends.fp32_tier import fp32_backward
         return fp32_backward(q, k, v, do, attn_mask=kw["attn_mask"], project=False, scale=kw["scale"], **mask)
     dq, dk, dv = dispatch.corrected_backward(

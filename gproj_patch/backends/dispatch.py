@@ -41,6 +41,14 @@ def kernel_reason(q, k, v, o, lse, *, attn_mask=None, dropout_p=0.0, **mask) -> 
     return reason
 
 
+def kernel_lse(lse, dead_rows, q):
+    """The LSE handed to the kernel: (B, H, Sq) fp32, +inf on ``dead_rows`` (B, Sq) so their P is 0."""
+    if lse is None:
+        return None
+    lse = normalize_lse(lse, q.shape[0], q.shape[1], q.shape[2])
+    return lse if dead_rows is None else lse.masked_fill(dead_rows[:, None, :], float("inf"))
+
+
 def _fp32(q, k, v, do, *, attn_mask, dropout_p, dropout_seed, scale, mask) -> Grads:
     from .fp32_tier import fp32_backward
     return fp32_backward(q, k, v, do, attn_mask=attn_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -67,10 +75,12 @@ def corrected_backward(do, q, k, v, o=None, lse=None, *, scale=None, causal=Fals
                        window=(-1, -1), softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                        max_seqlen_k=None, attn_mask=None, dropout_p=0.0, dropout_seed=None, mode="gproj",
                        layer=None, original: Optional[Callable[[], Grads]] = None, source="sdpa",
-                       tier_option="auto", deterministic=False, stand_in_reason=None) -> Grads:
+                       tier_option="auto", deterministic=False, stand_in_reason=None, dead_rows=None) -> Grads:
     """Gradients (dq, dk, dv) of one attention call through the tier that ``mode`` selects.
 
     ``original`` computes the caller's own backward (needed for mode "off" and for the policy's "original").
+    ``dead_rows`` (B, Sq) bool: query rows whose dO is exactly zero and whose mask row differs from the flags;
+    the kernel gets LSE = +inf there (P = 0: zero contributions, as the exact gradient has).
     ``stand_in_reason``: when set, "original" has no real original backward behind it; the string is logged.
     """
     scale = default_scale(q.shape[-1], scale)
@@ -108,7 +118,7 @@ def corrected_backward(do, q, k, v, o=None, lse=None, *, scale=None, causal=Fals
         grads = original()
     elif tier == "gproj":
         from .triton_bwd import gproj_backward
-        grads = gproj_backward(do, q, k, v, o, lse_n, scale=scale, max_seqlen_q=max_seqlen_q,
+        grads = gproj_backward(do, q, k, v, o, kernel_lse(lse_n, dead_rows, q), scale=scale, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, correct=True, deterministic=deterministic, **mask)
     else:
         grads = _fp32(q, k, v, do, attn_mask=attn_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
