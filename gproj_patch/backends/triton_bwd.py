@@ -8,7 +8,14 @@ operand a fused backward already forms for dV), t = low(dS), ρ_i = Σ_j t_ij, m
         or α Σ_i low(P_ij (dP_ij − D_i − λ_i)) q_i          (dk_form "fused": one product, re-rounded)
     dv_j = Σ_i r_ij dO_i
 
-``t − λr`` is never rounded again (the dq correction is applied to the fp32 accumulators). ``correct=False``
+The default is "fused" (``DEFAULT_DK_FORM``): on the H200 suite both forms are within 0.25% of fp64 on every
+gauge case, the fused form is one product cheaper (×1.36–1.62 of cuDNN against ×1.51–1.77), and on rows with
+P == 1 the two-product form loses the sink key's gradient (dk 47% vs 0.6%: low(t) and low(λr) round to the
+same value there). See BENCHMARKS.md.
+
+``t − λr`` is never rounded again: the dq correction is applied to the fp32 accumulators, the two-product dk
+subtracts a second product, and the fused dk rounds the fp32 value P∘(dP − D − λ) once (it never rounds a
+combination of already-rounded t and r). ``correct=False``
 runs the same kernels without the r·K product, the row sums and λ: a standard fused backward, for
 measurement.
 
