@@ -2,7 +2,8 @@
 
 Inputs may be BF16/FP16 (taken at their exact values) or FP32; results are fp32 (callers cast back).
 Work is chunked over queries: one chunk holds (B', Hq, chunk, Sk) fp32 blocks, the chunk length chosen so a
-handful of such blocks fit ``memory_budget`` bytes (default 256 MiB), so memory is O(chunk·Sk) per (b, h),
+handful of such blocks fit ``memory_budget`` bytes (default 256 MiB on a CPU; on CUDA an eighth of the free
+device memory, at most 2 GiB, because tall chunks keep the fp32 GEMMs efficient), so memory is O(chunk·Sk) per (b, h),
 never S×S for large S. TF32 is disabled for these matmuls (``torch.set_float32_matmul_precision("highest")``
 inside the call, restored afterwards).
 
@@ -37,6 +38,14 @@ from .emulation import no_tf32 as _no_tf32, tile_scores
 from .spec import MaskSpec, default_scale, segments, validate_cu_seqlens, validate_qkv
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
+CUDA_MEMORY_BUDGET_CAP = 2 << 30
+
+
+def _default_budget(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_MEMORY_BUDGET
+    free, _total = torch.cuda.mem_get_info(device)
+    return max(DEFAULT_MEMORY_BUDGET, min(CUDA_MEMORY_BUDGET_CAP, free // 8))
 _BLOCKS_PER_CHUNK = 10  # fp32 (chunk × Sk) temporaries alive at once in the backward, roughly
 _MASK32 = 0xFFFFFFFF
 
@@ -171,7 +180,7 @@ def _mask_spec(causal, causal_align, window, softcap) -> MaskSpec:
 def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                  scale: Optional[float] = None, causal: bool = False, causal_align: str = "top_left",
                  window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                 chunk_size: Optional[int] = None, memory_budget: int = DEFAULT_MEMORY_BUDGET
+                 chunk_size: Optional[int] = None, memory_budget: Optional[int] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """FP32 attention output (B, Hq, Sq, Dv) fp32 and natural-log LSE (B, Hq, Sq) fp32 (−inf: no key seen)."""
     _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k)
@@ -180,9 +189,10 @@ def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_see
     B, Hq, Sq, _ = q.shape
     out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+    budget = _default_budget(q.device) if memory_budget is None else memory_budget
     with _no_tf32():
         for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
-                        memory_budget, chunk_size):
+                        budget, chunk_size):
             pd = ch.p if ch.z is None else ch.p * ch.z
             out[ch.bs, :, ch.rows] = torch.matmul(pd, ch.v)
             lse[ch.bs, :, ch.rows] = ch.lse
@@ -192,7 +202,7 @@ def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_see
 def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                   project: bool = True, scale: Optional[float] = None, causal: bool = False,
                   causal_align: str = "top_left", window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
-                  cu_seqlens_k=None, chunk_size: Optional[int] = None, memory_budget: int = DEFAULT_MEMORY_BUDGET
+                  cu_seqlens_k=None, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) fp32 of ⟨do, attention(q, k, v)⟩, recomputed in FP32; GProj projection unless project=False.
 
@@ -207,9 +217,10 @@ def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropou
     dq = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
     dk_full = torch.zeros(B, Hq, Sk, D, dtype=torch.float32, device=q.device)
     dv_full = torch.zeros(B, Hq, Sk, v.shape[-1], dtype=torch.float32, device=q.device)
+    budget = _default_budget(q.device) if memory_budget is None else memory_budget
     with _no_tf32():
         for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
-                        memory_budget, chunk_size):
+                        budget, chunk_size):
             dO = do[ch.bs, :, ch.rows].to(torch.float32)
             p = ch.p
             pd = p if ch.z is None else p * ch.z
