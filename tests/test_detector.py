@@ -135,3 +135,17 @@ def _cost_check():
     t_bwd = best(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
     t_det = best(lambda: detector.compute(qb, kb, lse, None).summary())
     assert t_det <= 0.03 * t_bwd, (t_det, t_bwd)
+
+
+def test_statistics_trace_whole_for_the_cuda_compile():
+    """On CUDA the detector's arithmetic runs compiled; it must trace as one graph and match eager."""
+    torch.manual_seed(5)
+    q = torch.randn(2, 4, 64, 16).bfloat16()
+    k = (torch.randn(2, 2, 64, 16) + 30.0).bfloat16()
+    lse = torch.randn(2, 4, 64)
+    lse[0, 0, 3] = float("-inf")
+    args = (q, k, k[:, :, 0, :], lse, 0.25, 2)
+    eager = detector._statistics(*args)
+    traced = torch.compile(detector._statistics, fullgraph=True, backend="aot_eager")(*args)
+    for a, b in zip(eager, traced):
+        torch.testing.assert_close(a, b, equal_nan=True)
