@@ -68,16 +68,21 @@ class AttentionStats:
     p_sink: torch.Tensor       # (B, Hq)
     u: float
     sk: int
+    worst: Optional[torch.Tensor] = None  # the summary values (SUMMARY_KEYS[:7]) already reduced on the device
 
     def summary(self) -> Dict[str, float]:
         """Worst case (max) over (batch, head) of every statistic, except ``lse_gap`` (mean over heads); one sync."""
-        vals = torch.stack([
-            self.r_k.max(), self.r_q.max(), self.leak_dq.max(), self.leak_dk.max(), self.logit_bound.max(),
-            _nanmean(self.lse_gap), _nanmax(self.p_sink),
-        ]).tolist()
+        worst = self.worst if self.worst is not None else _worst(
+            self.r_k, self.r_q, self.leak_dq, self.leak_dk, self.logit_bound, self.lse_gap, self.p_sink)
+        vals = worst.tolist()
         out = dict(zip(SUMMARY_KEYS, vals))
         out["log_sk"] = math.log(self.sk)
         return out
+
+
+def _worst(r_k, r_q, leak_dq, leak_dk, logit_bound, lse_gap, p_sink) -> torch.Tensor:
+    return torch.stack([r_k.max(), r_q.max(), leak_dq.max(), leak_dk.max(), logit_bound.max(),
+                        _nanmean(lse_gap), _nanmax(p_sink)])
 
 
 def _nanmean(x: torch.Tensor) -> torch.Tensor:
@@ -114,11 +119,11 @@ def offset_ratio(x: torch.Tensor) -> tuple:
 
 
 def _statistics(qs: torch.Tensor, ks: torch.Tensor, k0: torch.Tensor, lse_s: Optional[torch.Tensor],
-                alpha: float, group: int):
+                alpha: float, group: int, u: float):
     """The arithmetic of ``compute`` on already-sampled rows: a pure tensor function (compiled on CUDA).
 
-    qs (B, Hq, rq, D), ks (B, Hkv, rk, D), k0 (B, Hkv, D) any float dtype; lse_s (B, Hq, rq) or None.
-    Returns (r_k, r_q, logit_bound, lse_gap, p_sink), the last two None without an LSE."""
+    qs (B, Hq, rq, D), ks (B, Hkv, rk, D), k0 (B, Hkv, D) any float dtype; lse_s (B, Hq, rq) or None (the LSE
+    statistics are then NaN). Returns (r_k, r_q, leak_dq, leak_dk, logit_bound, lse_gap, p_sink, worst)."""
     qs, ks = qs.float(), ks.float()
     kmean, r_k = offset_ratio(ks)
     _, r_q = offset_ratio(qs)
@@ -128,17 +133,20 @@ def _statistics(qs: torch.Tensor, ks: torch.Tensor, k0: torch.Tensor, lse_s: Opt
         kmax = kmax.repeat_interleave(group, dim=1)
     logit_bound = qmax * kmax * alpha
     if lse_s is None:
-        return r_k, r_q, logit_bound, None, None
-    lse_s = lse_s.float()
-    refs = torch.stack([kmean, k0.float()], dim=2)                                  # (B, Hkv, 2, D)
-    if group > 1:
-        refs = refs.repeat_interleave(group, dim=1)
-    scores = torch.matmul(qs, refs.transpose(-1, -2)) * alpha                       # (B, Hq, rq, 2)
-    dead = ~torch.isfinite(lse_s)
-    gap = (lse_s - scores[..., 0]).masked_fill(dead, float("nan"))
-    lse_gap = gap.nanmean(-1)
-    p_sink = torch.exp((scores[..., 1] - lse_s).clamp_max(0.0)).masked_fill(dead, float("nan")).nanmean(-1)
-    return r_k, r_q, logit_bound, lse_gap, p_sink
+        lse_gap = torch.full_like(logit_bound, float("nan"))
+        p_sink = torch.full_like(logit_bound, float("nan"))
+    else:
+        lse_s = lse_s.float()
+        refs = torch.stack([kmean, k0.float()], dim=2)                              # (B, Hkv, 2, D)
+        if group > 1:
+            refs = refs.repeat_interleave(group, dim=1)
+        scores = torch.matmul(qs, refs.transpose(-1, -2)) * alpha                   # (B, Hq, rq, 2)
+        dead = ~torch.isfinite(lse_s)
+        lse_gap = (lse_s - scores[..., 0]).masked_fill(dead, float("nan")).nanmean(-1)
+        p_sink = torch.exp((scores[..., 1] - lse_s).clamp_max(0.0)).masked_fill(dead, float("nan")).nanmean(-1)
+    leak_dq, leak_dk = 2 * u * r_k, 2 * u * r_q
+    worst = _worst(r_k, r_q, leak_dq, leak_dk, logit_bound, lse_gap, p_sink)
+    return r_k, r_q, leak_dq, leak_dk, logit_bound, lse_gap, p_sink, worst
 
 
 # On CUDA the ~40 small eager kernels of ``_statistics`` cost more in launches than in work (measured on the
@@ -175,20 +183,17 @@ def compute(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], scale
             from .backends.spec import normalize_lse
             lse_s = normalize_lse(lse, B, Hq, Sq)
             lse_s = lse_s if qidx is None else lse_s.index_select(2, qidx.to(lse_s.device))
-        args = (qs, ks, k[:, :, 0, :], lse_s, alpha, Hq // Hkv)
+        args = (qs, ks, k[:, :, 0, :], lse_s, alpha, Hq // Hkv, u)
         fn = _statistics_fn(q.device)
         try:
-            r_k, r_q, logit_bound, lse_gap, p_sink = fn(*args)
+            out = fn(*args)
         except Exception as exc:  # a compiler problem must not cost the statistics: run them eagerly from now on
             if fn is _statistics:
                 raise
             _COMPILED["failed"] = True
             _log.warning("gproj_patch: compiling the detector failed (%s: %s); it runs eagerly",
                          type(exc).__name__, exc)
-            r_k, r_q, logit_bound, lse_gap, p_sink = _statistics(*args)
-        if lse_gap is None:
-            lse_gap = torch.full((B, Hq), float("nan"), device=q.device)
-            p_sink = torch.full((B, Hq), float("nan"), device=q.device)
-
-        return AttentionStats(r_k=r_k, r_q=r_q, leak_dq=2 * u * r_k, leak_dk=2 * u * r_q, logit_bound=logit_bound,
-                              lse_gap=lse_gap, p_sink=p_sink, u=u, sk=Sk)
+            out = _statistics(*args)
+        r_k, r_q, leak_dq, leak_dk, logit_bound, lse_gap, p_sink, worst = out
+        return AttentionStats(r_k=r_k, r_q=r_q, leak_dq=leak_dq, leak_dk=leak_dk, logit_bound=logit_bound,
+                              lse_gap=lse_gap, p_sink=p_sink, u=u, sk=Sk, worst=worst)

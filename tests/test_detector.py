@@ -144,7 +144,7 @@ def test_statistics_trace_whole_for_the_cuda_compile():
     k = (torch.randn(2, 2, 64, 16) + 30.0).bfloat16()
     lse = torch.randn(2, 4, 64)
     lse[0, 0, 3] = float("-inf")
-    args = (q, k, k[:, :, 0, :], lse, 0.25, 2)
+    args = (q, k, k[:, :, 0, :], lse, 0.25, 2, 2.0 ** -8)
     eager = detector._statistics(*args)
     traced = torch.compile(detector._statistics, fullgraph=True, backend="aot_eager")(*args)
     for a, b in zip(eager, traced):
