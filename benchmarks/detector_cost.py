@@ -68,15 +68,15 @@ def main():
         "compiled _statistics + tolist": lambda: compiled(*args_)[-1].tolist(),
         "CUDA graph replay (+ 4 copies) + tolist": graphed,
         "detector.compute(...).summary() (shipped path)": lambda: detector.compute(q, k, lse, None).summary(),
-        "eager compute (GPROJ_DETECTOR_COMPILE=0)": None,
+        "eager compute (GPROJ_DETECTOR_GRAPH=0)": None,
     }
     res = {}
     for name, fn in rows.items():
         if fn is None:
-            os.environ["GPROJ_DETECTOR_COMPILE"] = "0"
+            os.environ["GPROJ_DETECTOR_GRAPH"] = "0"
             fn = lambda: detector.compute(q, k, lse, None).summary()  # noqa: E731
         res[name] = best(fn)
-        os.environ.pop("GPROJ_DETECTOR_COMPILE", None)
+        os.environ.pop("GPROJ_DETECTOR_GRAPH", None)
     with open(os.path.join(args.out, "detector_cost.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(f"detector cost on {torch.cuda.get_device_name()}, torch {torch.__version__}, B,H,S,D = {B},{H},{S},{D}")
