@@ -318,6 +318,17 @@ def _unsupported_reason(q, k, v, attn_mask) -> Optional[str]:
     return None
 
 
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The low-precision dtype autocast would run SDPA in on this device, or None."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            return dtype if dtype in LOW_PRECISION else None
+    except (AttributeError, RuntimeError, TypeError):  # torch without per-device autocast queries
+        pass
+    return None
+
+
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
          *, cfg: Optional[config.Config] = None, layer: Optional[str] = None):
     """SDPA's semantics; the corrected backward when a gradient is needed and the inputs are BF16/FP16.
@@ -325,6 +336,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     ``layer`` names the call for the policy when no ``layer_scope`` is active (else ``call{n}``)."""
     cfg = cfg or config.active() or DEFAULT
     orig = ORIGINAL[0]
+    if query.dtype == torch.float32 and cfg.mode != "off" and torch.is_grad_enabled():
+        low = _autocast_dtype(query.device.type)
+        if low is not None:  # autocast would run SDPA in low precision (and leak): cast as autocast does
+            query, key, value = (t.to(low) for t in (query, key, value))
     if (cfg.mode == "off" or not torch.is_grad_enabled()
             or not (query.requires_grad or key.requires_grad or value.requires_grad)
             or query.dtype not in LOW_PRECISION):

@@ -257,3 +257,28 @@ def test_right_padding_runs_the_kernel_exactly(monkeypatch, window):
     ref = reference_backward(q.detach(), k.detach(), v.detach(), do, attn_mask=mask)
     for got, want in zip((q.grad, k.grad, v.grad), ref):
         assert _rel(got, want) < 4 * 2.0 ** -11
+
+
+def test_autocast_fp32_inputs_are_corrected_like_autocast_runs_them():
+    """Under autocast SDPA runs in BF16 from FP32 inputs (and leaks): the hook casts as autocast does, keeps
+    autocast's forward bits and corrects the backward; the gradients reach the FP32 leaves."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 2, 64, 32, generator=g).requires_grad_()
+    k = (torch.randn(1, 2, 64, 32, generator=g) + 64.0).requires_grad_()
+    v = torch.randn(1, 2, 64, 32, generator=g).requires_grad_()
+    do = torch.randn(1, 2, 64, 32, generator=g).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with torch.no_grad():
+            plain = bound_before_enable(q, k, v, is_causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, plain)
+    out.backward(do)
+    low = [t.detach().bfloat16() for t in (q, k, v)]
+    ref = reference_backward(*low, do, causal=True)
+    assert q.grad.dtype == torch.float32
+    assert _rel(q.grad, ref[0]) < 1e-2
+    assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 1
+    qu, ku, vu = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bound_before_enable(qu, ku, vu, is_causal=True).backward(do)
+    assert _rel(qu.grad, ref[0]) > 5 * _rel(q.grad, ref[0]), "the unpatched autocast backward should leak here"
