@@ -147,6 +147,10 @@ def _backward_kwargs(p: _Params, q, k, attn_mask, do=None, lse=None):
                 source="sdpa", tier_option=p.tier, deterministic=p.deterministic)
 
 
+def _keep(t):
+    return t
+
+
 class _SdpaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, p: _Params):
@@ -157,10 +161,13 @@ class _SdpaFunction(torch.autograd.Function):
             _check_sdpa_args(q, k, attn_mask, p.is_causal, p.enable_gqa)
             ctx.seed = _new_seed()
             out, _ = fp32_forward(q, k, v, attn_mask=attn_mask, dropout_p=p.dropout_p, dropout_seed=ctx.seed,
+                                  check_finite=False,
                                   scale=default_scale(q.shape[-1], p.scale), causal=p.is_causal)
             out = out.to(q.dtype)
         else:
-            with torch.enable_grad():
+            # Identity saved-tensor hooks: under activation checkpointing the inner node's saved tensors would
+            # otherwise be packed by the checkpoint, and reading its LSE would re-run the checkpointed block.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                 qi, ki, vi = (t.detach().requires_grad_() for t in (q, k, v))
                 inner = ORIGINAL[0](qi, ki, vi, attn_mask=attn_mask, dropout_p=0.0, is_causal=p.is_causal,
                                     scale=p.scale, enable_gqa=p.enable_gqa)
@@ -238,6 +245,7 @@ def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], drop
         _check_sdpa_args(q, k, attn_mask, is_causal, enable_gqa)
         seed = _new_seed()
         out, _ = fp32_forward(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, dropout_seed=seed,
+                              check_finite=False,
                               scale=default_scale(q.shape[-1], scale), causal=is_causal)
         out = out.to(q.dtype)
     else:
@@ -275,7 +283,8 @@ def _sdpa_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             return gproj_backward(do, q, k, v, out, dispatch.kernel_lse(lse_t, kw["dead_rows"], q),
                                   scale=kw["scale"], correct=False, **mask)
         from .backends.fp32_tier import fp32_backward
-        return fp32_backward(q, k, v, do, attn_mask=kw["attn_mask"], project=False, scale=kw["scale"], **mask)
+        return fp32_backward(q, k, v, do, attn_mask=kw["attn_mask"], project=False, scale=kw["scale"],
+                             check_finite=False, **mask)
     dq, dk, dv = dispatch.corrected_backward(
         do, q, k, v, out, lse_t, dropout_seed=seed if dropout_p > 0 else None, original=stand_in,
         stand_in_reason="torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in",
@@ -306,9 +315,15 @@ _sdpa_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 
 # ----------------------------------------------------------------------------------------------------------------
 
-def _unsupported_reason(q, k, v, attn_mask) -> Optional[str]:
+def _unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Optional[str]:
     if any(getattr(t, "is_nested", False) for t in (q, k, v)):
         return "nested tensors"
+    if any(t.numel() == 0 for t in (q, k, v)):
+        return "empty input"
+    if dropout_p >= 1.0:
+        return "dropout_p >= 1"
+    if attn_mask is not None and is_causal:
+        return "attn_mask together with is_causal (the original decides what that means)"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "inputs are not 4-D (B, H, S, D)"
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -346,7 +361,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
     compiling = torch.compiler.is_compiling()
-    reason = _unsupported_reason(query, key, value, attn_mask)
+    reason = _unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal)
     if reason is None and compiling:
         return _sdpa_fwd(query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale,
                          bool(enable_gqa), layer or "")[0]

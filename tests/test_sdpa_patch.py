@@ -282,3 +282,52 @@ def test_autocast_fp32_inputs_are_corrected_like_autocast_runs_them():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bound_before_enable(qu, ku, vu, is_causal=True).backward(do)
     assert _rel(qu.grad, ref[0]) > 5 * _rel(q.grad, ref[0]), "the unpatched autocast backward should leak here"
+
+
+def test_backward_inside_autocast_still_runs_the_fp32_tier_in_fp32():
+    """loss.backward() inside torch.autocast must not turn the FP32 tier's matmuls into BF16 ones."""
+    q, k, v, do = _inputs(torch.bfloat16, B=1, H=2, Sq=64, D=32, offset=64.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+    dq_ref = reference_backward(q.detach(), k.detach(), v.detach(), do, causal=True)[0]
+    assert gproj_patch.stats()["fp32"] == 1
+    assert _rel(q.grad, dq_ref) < 1e-2
+
+
+def test_non_finite_output_gradient_propagates_instead_of_raising():
+    """A GradScaler overflow puts inf into dO: the gradients must carry it (the scaler skips the step), not raise."""
+    q, k, v, do = _inputs(torch.float16, B=1, H=2, Sq=16, D=16)
+    do[0, 0, 3, 1] = float("inf")
+    F.scaled_dot_product_attention(q, k, v).backward(do)
+    assert not bool(torch.isfinite(q.grad).all())
+
+
+def test_activation_checkpointing_does_not_rerun_the_block_in_the_forward():
+    from torch.utils.checkpoint import checkpoint
+    runs = {"n": 0}
+    lin = torch.nn.Linear(16, 16).bfloat16()
+
+    def block(q, k, v):
+        runs["n"] += 1
+        return F.scaled_dot_product_attention(lin(q), k, v, is_causal=True)
+
+    q, k, v, do = _inputs(torch.bfloat16, B=1, H=2, Sq=32, D=16, offset=32.0)
+    out = checkpoint(block, q, k, v, use_reentrant=False)
+    assert runs["n"] == 1
+    out.backward(do)
+    assert runs["n"] == 2
+    with torch.no_grad():
+        qq = lin(q)
+    ref = reference_backward(qq, k.detach(), v.detach(), do, causal=True)
+    assert _rel(k.grad, ref[1]) < 1e-2 and _rel(v.grad, ref[2]) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 8, 16), (1, 2, 0, 16)])
+def test_empty_inputs_take_the_original_path(shape):
+    q = torch.randn(*shape).bfloat16().requires_grad_()
+    k = torch.randn(shape[0], 2, 8, 16).bfloat16().requires_grad_()
+    v = torch.randn(shape[0], 2, 8, 16).bfloat16().requires_grad_()
+    out = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out, bound_before_enable(q, k, v))
+    out.sum().backward()
+    assert gproj_patch.stats()["fp32"] == gproj_patch.stats()["gproj"] == 0

@@ -52,7 +52,7 @@ def kernel_lse(lse, dead_rows, q):
 def _fp32(q, k, v, do, *, attn_mask, dropout_p, dropout_seed, scale, mask) -> Grads:
     from .fp32_tier import fp32_backward
     return fp32_backward(q, k, v, do, attn_mask=attn_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                         project=True, scale=scale, **mask)
+                         project=True, scale=scale, check_finite=False, **mask)
 
 
 def _cast(grads, q, k, v) -> Grads:

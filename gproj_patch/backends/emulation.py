@@ -53,20 +53,29 @@ DK_FORMS = ("two_product", "fused")
 
 
 @contextlib.contextmanager
-def no_tf32():
-    """fp32 matmuls at full precision inside (TF32 off on CUDA); the previous setting is restored."""
+def full_fp32():
+    """fp32 matmuls at full precision inside: TF32 off on CUDA and autocast off (a backward run inside
+    ``torch.autocast`` would otherwise cast these matmuls to BF16); the previous settings are restored."""
     prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(prev)
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cuda", "cpu"):
+            try:
+                on = torch.is_autocast_enabled(device_type)
+            except (RuntimeError, TypeError):
+                on = False
+            if on:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(prev)
 
 
 def _full_fp32(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with no_tf32():
+        with full_fp32():
             return fn(*args, **kwargs)
     return wrapper
 

@@ -34,7 +34,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .emulation import no_tf32 as _no_tf32, tile_scores
+from .emulation import full_fp32, tile_scores
 from .spec import MaskSpec, default_scale, segments, validate_cu_seqlens, validate_qkv
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
@@ -70,8 +70,8 @@ def dropout_keep(seed: int, batch: int, heads: torch.Tensor, rows: torch.Tensor,
     return h.to(torch.float64) >= p * 4294967296.0
 
 
-def _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_q, cu_k, extra=()):
-    validate_qkv(q, k, v, *extra)
+def _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_q, cu_k, extra=(), check_finite=True):
+    validate_qkv(q, k, v, *extra, check_finite=check_finite)
     validate_cu_seqlens(cu_q, cu_k, q.shape[0], q.shape[2], k.shape[2])
     if not (0.0 <= float(dropout_p) < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
@@ -180,17 +180,20 @@ def _mask_spec(causal, causal_align, window, softcap) -> MaskSpec:
 def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                  scale: Optional[float] = None, causal: bool = False, causal_align: str = "top_left",
                  window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                 chunk_size: Optional[int] = None, memory_budget: Optional[int] = None
+                 chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, check_finite: bool = True
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FP32 attention output (B, Hq, Sq, Dv) fp32 and natural-log LSE (B, Hq, Sq) fp32 (−inf: no key seen)."""
-    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k)
+    """FP32 attention output (B, Hq, Sq, Dv) fp32 and natural-log LSE (B, Hq, Sq) fp32 (−inf: no key seen).
+
+    ``check_finite=False`` lets inf/NaN inputs propagate (the hooks: a GradScaler must see an overflow, not an
+    exception)."""
+    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, check_finite=check_finite)
     spec = _mask_spec(causal, causal_align, window, softcap)
     alpha = default_scale(q.shape[-1], scale)
     B, Hq, Sq, _ = q.shape
     out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
     budget = _default_budget(q.device) if memory_budget is None else memory_budget
-    with _no_tf32():
+    with full_fp32():
         for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
                         budget, chunk_size):
             pd = ch.p if ch.z is None else ch.p * ch.z
@@ -202,13 +205,15 @@ def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_see
 def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                   project: bool = True, scale: Optional[float] = None, causal: bool = False,
                   causal_align: str = "top_left", window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
-                  cu_seqlens_k=None, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  cu_seqlens_k=None, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
+                  check_finite: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) fp32 of ⟨do, attention(q, k, v)⟩, recomputed in FP32; GProj projection unless project=False.
 
     dk/dv are summed over each query-head group (GQA). Rows that see no key get zero gradients.
+    ``check_finite=False`` lets inf/NaN propagate into the gradients (as a fused backward does) instead of raising.
     """
-    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, extra=(("do", do),))
+    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, extra=(("do", do),),
+           check_finite=check_finite)
     spec = _mask_spec(causal, causal_align, window, softcap)
     alpha = default_scale(q.shape[-1], scale)
     B, Hq, Sq, D = q.shape
@@ -218,7 +223,7 @@ def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropou
     dk_full = torch.zeros(B, Hq, Sk, D, dtype=torch.float32, device=q.device)
     dv_full = torch.zeros(B, Hq, Sk, v.shape[-1], dtype=torch.float32, device=q.device)
     budget = _default_budget(q.device) if memory_budget is None else memory_budget
-    with _no_tf32():
+    with full_fp32():
         for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
                         budget, chunk_size):
             dO = do[ch.bs, :, ch.rows].to(torch.float32)
