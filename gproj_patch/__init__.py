@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Dict, Optional
 
@@ -82,7 +83,9 @@ def enable(mode: Optional[str] = None, targets=None, **options) -> Handle:
                 installers[target].uninstall()
             raise
         previous_level = _logger.level
-        _logger.setLevel(cfg.log_level)
+        explicit = "log_level" in options or _config.ENV["log_level"] in os.environ
+        if explicit or previous_level == logging.NOTSET:  # keep a level the application set itself
+            _logger.setLevel(cfg.log_level)
         _config._set_active(cfg)
         handle = Handle(cfg, installed, owner=True)
         _state = {"config": cfg, "installed": installed, "owner": handle, "log_level": previous_level}
@@ -119,7 +122,8 @@ def reset_stats() -> None:
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``torch.nn.functional.scaled_dot_product_attention`` with the corrected backward, whether or not
-    ``enable()`` was called (mode: the enabled one, else "gproj"). Same forward output as SDPA."""
+    ``enable()`` was called (options: the enabled ones, else the environment's GPROJ_* and the defaults).
+    Same forward output as SDPA."""
     from .autograd import sdpa
     return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa)
+                enable_gqa=enable_gqa, cfg=_config.active() or _config.resolve())

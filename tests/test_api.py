@@ -177,3 +177,32 @@ def test_stats_shape_class_and_threads():
     assert s["fp32"] == 2 and s["original"] == 1 and s["fallback_reasons"] == {"r1": 2}
     with pytest.raises(ValueError):
         telemetry.record_backward("tf32")
+
+
+def test_enable_keeps_a_log_level_the_application_set(monkeypatch):
+    import logging
+    monkeypatch.delenv("GPROJ_LOG_LEVEL", raising=False)
+    gproj_patch.disable()
+    log = logging.getLogger("gproj_patch")
+    before = log.level
+    try:
+        log.setLevel(logging.DEBUG)
+        with gproj_patch.enable(targets=("sdpa",)):
+            assert log.level == logging.DEBUG
+        with gproj_patch.enable(targets=("sdpa",), log_level="ERROR"):
+            assert log.level == logging.ERROR
+        assert log.level == logging.DEBUG
+    finally:
+        log.setLevel(before)
+
+
+def test_attention_without_enable_reads_the_environment(monkeypatch):
+    gproj_patch.disable()
+    monkeypatch.setenv("GPROJ_MODE", "nonsense")
+    q = torch.randn(1, 2, 8, 16).bfloat16().requires_grad_()
+    with pytest.raises(ValueError, match="GPROJ_MODE"):
+        gproj_patch.attention(q, q, q)
+    monkeypatch.setenv("GPROJ_MODE", "fp32")
+    gproj_patch.reset_stats()
+    gproj_patch.attention(q, q, q).sum().backward()
+    assert gproj_patch.stats()["fp32"] == 1

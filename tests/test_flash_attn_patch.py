@@ -287,3 +287,24 @@ def test_fa4_seqused_goes_to_the_original(monkeypatch):
     iface._flash_attn_bwd(q, k, v, out, do, lse, seqused_q=torch.full((2,), 16, dtype=torch.int32))
     assert calls["original"] == 1
     assert gproj_patch.stats()["original"] == 1
+
+
+@pytest.mark.parametrize("sq,window", [(1, (-1, -1)), (8, (-1, -1)), (8, (5, 0))])
+def test_decode_shapes_use_flash_attn_bottom_right_alignment(monkeypatch, sq, window):
+    """Sq < Sk tells the two causal alignments apart: flash-attn's is bottom-right (the last query sees every key)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, sq, 4, 16, generator=g).bfloat16()
+    k = (torch.randn(2, 32, 2, 16, generator=g) + 16.0).bfloat16()
+    v = torch.randn(2, 32, 2, 16, generator=g).bfloat16()
+    do = torch.randn(2, sq, 4, 16, generator=g).bfloat16()
+    out, lse = _forward(q, k, v, True, window=window)
+    _enable_with_test_ops(monkeypatch)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _wrapped_bwd(do, q, k, v, out, lse, dq, dk, dv, 0.0, 0.25, True, window[0], window[1], 0.0, None, False)
+    assert CALLS["dense"] == 0
+    bottom = reference_backward(*(_bhsd(t, False) for t in (q, k, v, do)), scale=0.25, causal=True,
+                                causal_align="bottom_right", window=window)
+    top = reference_backward(*(_bhsd(t, False) for t in (q, k, v, do)), scale=0.25, causal=True,
+                             causal_align="top_left", window=window)
+    assert _rel(_bhsd(dk, False), bottom[1]) < 1e-2
+    assert _rel(_bhsd(dk, False), top[1]) > 0.1, "the two alignments must differ on this shape"

@@ -127,3 +127,28 @@ def test_attention_dropout_in_training_runs_fp32_tier():
     s = gproj_patch.stats()
     assert torch.isfinite(loss) and s["fp32"] == cfg.num_hidden_layers
     assert any("dropout" in r for r in s["fallback_reasons"])
+
+
+def test_enable_defers_transformers_until_its_modeling_code_is_imported():
+    """enable() must not import Transformers (seconds, in every process that imports torch under GPROJ_PATCH=1);
+    the "gproj" attention is registered the moment transformers.modeling_utils is imported."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch, gproj_patch\n"
+        "h = gproj_patch.enable()\n"
+        "assert 'transformers' not in sys.modules, 'enable() imported transformers'\n"
+        "print(h.installed['transformers'])\n"
+        "from transformers import LlamaConfig, AutoModelForCausalLM\n"
+        "cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,\n"
+        "                  num_attention_heads=2, num_key_value_heads=1)\n"
+        "m = AutoModelForCausalLM.from_config(cfg, attn_implementation='gproj')\n"
+        "ids = torch.randint(0, 32, (1, 8))\n"
+        "m(ids, labels=ids).loss.backward()\n"
+        "print('registered', m.config._attn_implementation)\n"
+        "gproj_patch.disable()\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "registers when transformers.modeling_utils is imported" in res.stdout
+    assert "registered gproj" in res.stdout

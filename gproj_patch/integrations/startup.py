@@ -99,8 +99,9 @@ def process_startup(environ=None) -> Optional[Any]:
             _fail(f"{FLAG}=1 but the environment is invalid: {exc}")
         if "torch" in sys.modules:
             return _enable()
+        from ..import_hooks import call_after_import
         _status["state"] = "waiting for torch"
-        sys.meta_path.insert(0, _TorchImportHook())
+        call_after_import("torch", _enable)
         return None
 
 
@@ -112,44 +113,6 @@ def _enable():
         _fail(f"{FLAG}=1 but gproj_patch.enable() failed: {type(exc).__name__}: {exc}")
     _status.update(state="enabled", handle=handle)
     return handle
-
-
-class _TorchImportHook:
-    """A one-shot meta-path finder: finds ``torch`` through the other finders and runs ``_enable()`` right
-    after torch's ``__init__`` has executed (the loader object is kept; only its exec_module is wrapped)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch":
-            return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        spec = None
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader = spec.loader
-        inner = loader.exec_module
-
-        def exec_module(module):
-            try:
-                inner(module)
-            finally:
-                loader.__dict__.pop("exec_module", None)
-            _enable()
-
-        loader.exec_module = exec_module
-        return spec
-
-    def invalidate_caches(self):
-        pass
 
 
 def _site_dir(user: bool) -> str:

@@ -17,15 +17,21 @@ a model built with "gproj" needs the patch enabled to run.
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
+import sys
 from typing import Optional
 
 import torch
 
 from .. import autograd
 
+logger = logging.getLogger("gproj_patch")
+
 NAME = "gproj"
 _saved: Optional[dict] = None  # {"attention": previous or _MISSING, "mask": previous or _MISSING}
 _MISSING = object()
+_pending = None  # the import hook waiting for transformers.modeling_utils, when registration is deferred
 
 
 def gproj_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -56,9 +62,33 @@ def gproj_attention_forward(module, query, key, value, attention_mask, dropout: 
 
 
 def install() -> str:
-    global _saved
-    if _saved is not None:
+    """Register "gproj" now if Transformers' modeling code is loaded, else right after it is imported (so a
+    process that never builds an HF model — a data worker, a compile worker — never imports Transformers)."""
+    global _pending
+    if _saved is not None or _pending is not None:
         return "installed"
+    if "transformers.modeling_utils" in sys.modules:
+        return _register()
+    try:
+        if importlib.util.find_spec("transformers") is None:
+            return "skipped: transformers not installed"
+    except (ImportError, ValueError) as exc:
+        return f"skipped: transformers not importable ({exc})"
+    from ..import_hooks import call_after_import
+    _pending = call_after_import("transformers.modeling_utils", _register_on_import)
+    return "installed (registers when transformers.modeling_utils is imported)"
+
+
+def _register_on_import() -> None:
+    global _pending
+    _pending = None
+    status = _register()
+    if not status.startswith("installed"):
+        logger.warning("gproj_patch: could not register the 'gproj' attention: %s", status)
+
+
+def _register() -> str:
+    global _saved
     try:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
         from transformers.modeling_utils import AttentionInterface
@@ -72,7 +102,10 @@ def install() -> str:
 
 
 def uninstall() -> None:
-    global _saved
+    global _saved, _pending
+    if _pending is not None:
+        _pending.cancel()
+        _pending = None
     if _saved is None:
         return
     from transformers.masking_utils import AttentionMaskInterface
