@@ -302,7 +302,8 @@ def test_non_finite_output_gradient_propagates_instead_of_raising():
     assert not bool(torch.isfinite(q.grad).all())
 
 
-def test_activation_checkpointing_does_not_rerun_the_block_in_the_forward():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_does_not_rerun_the_block_in_the_forward(reentrant):
     from torch.utils.checkpoint import checkpoint
     runs = {"n": 0}
     lin = torch.nn.Linear(16, 16).bfloat16()
@@ -312,7 +313,7 @@ def test_activation_checkpointing_does_not_rerun_the_block_in_the_forward():
         return F.scaled_dot_product_attention(lin(q), k, v, is_causal=True)
 
     q, k, v, do = _inputs(torch.bfloat16, B=1, H=2, Sq=32, D=16, offset=32.0)
-    out = checkpoint(block, q, k, v, use_reentrant=False)
+    out = checkpoint(block, q, k, v, use_reentrant=reentrant)
     assert runs["n"] == 1
     out.backward(do)
     assert runs["n"] == 2
