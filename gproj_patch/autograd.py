@@ -14,8 +14,8 @@ cannot be replayed by another backward), so the forward is not the unpatched for
 
 Compiled path (``torch.compiler.is_compiling()``): the custom ops ``gproj::sdpa_fwd`` / ``gproj::sdpa_bwd`` are
 opaque to Dynamo (no graph break); inside, the forward output is the original SDPA under ``no_grad`` (same
-bits) and on CUDA the LSE is recomputed by one chunked FP32 pass over QKᵀ (no autograd node is reachable inside
-a custom op). In "auto"/"audit" a policy choice of "original" runs an uncorrected stand-in there.
+bits) and on CUDA the LSE is recomputed (no autograd node is reachable inside a custom op): by the Triton LSE
+kernel (``triton_bwd.attention_lse``, a forward without V) without a mask, else by a chunked FP32 pass. In "auto"/"audit" a policy choice of "original" runs an uncorrected stand-in there.
 """
 from __future__ import annotations
 
@@ -230,6 +230,19 @@ def lse_fp32(q, k, attn_mask, is_causal, scale, chunk: int = 256) -> Tensor:
     return out
 
 
+def _compiled_path_lse(q, k, attn_mask, is_causal, scale) -> Tensor:
+    """The LSE the backward needs when no fused autograd node is reachable (inside a custom op): one Triton
+    launch (a forward without V) where the kernel applies, else a chunked FP32 pass."""
+    if attn_mask is None:
+        try:
+            from .backends.triton_bwd import attention_lse, kernel_unsupported_reason
+        except ImportError:
+            attention_lse = None
+        if attention_lse is not None and kernel_unsupported_reason(q, k, k) is None:
+            return attention_lse(q, k, scale=scale, causal=is_causal)
+    return lse_fp32(q, k, attn_mask, is_causal, scale)
+
+
 def _active_params(layer: Optional[str], dropout_p, is_causal, scale, enable_gqa) -> _Params:
     cfg = config.active() or DEFAULT
     return _Params(float(dropout_p), bool(is_causal), scale, bool(enable_gqa), cfg.mode, cfg.tier,
@@ -253,7 +266,7 @@ def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], drop
             out = ORIGINAL[0](q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
                               enable_gqa=enable_gqa)
     if q.device.type == "cuda" and dropout_p == 0.0:
-        lse = lse_fp32(q, k, attn_mask, is_causal, default_scale(q.shape[-1], scale))
+        lse = _compiled_path_lse(q, k, attn_mask, is_causal, default_scale(q.shape[-1], scale))
     else:
         lse = q.new_empty((0,), dtype=torch.float32)
     aux = torch.tensor([_intern_layer(layer or layer_context.layer_id()), seed], dtype=torch.int64)

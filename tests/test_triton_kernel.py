@@ -209,3 +209,15 @@ def test_unsupported_reasons(monkeypatch):
     assert kernel_unsupported_reason(q, k, v) == "cpu tensor without GPROJ_TIER=triton/TRITON_INTERPRET=1"
     with pytest.raises(ValueError, match="cpu tensor"):
         gproj_backward(q, q, k, v, q, torch.zeros(1, 1, 8))
+
+
+@pytest.mark.parametrize("sq,sk,causal,hkv", [(37, 37, True, 2), (20, 45, True, 1), (45, 20, True, 4),
+                                               (33, 50, False, 4), (1, 17, True, 2)])
+def test_attention_lse_matches_fp64(sq, sk, causal, hkv):
+    """The LSE kernel (SDPA semantics: top-left causal) against the fp64 oracle, with GQA and odd lengths."""
+    q, k, _, _ = make(2, 4, hkv, sq, sk, 24, offset=8.0, seed=11)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # strided, as HF hands them over
+    got = triton_bwd.attention_lse(q, k, scale=0.3, causal=causal)
+    _, want = reference_forward(q, k, k, scale=0.3, causal=causal)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)

@@ -318,3 +318,30 @@ def _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu
         LAST_KERNELS.clear()
         for name, kern in (("dq", kq), ("dkdv", kk)):
             LAST_KERNELS[name] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None))
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = None,
+                  causal: bool = False) -> torch.Tensor:
+    """Natural-log LSE (B, Hq, Sq) fp32 of α·q·kᵀ — SDPA's semantics (dense, or top-left causal), GQA by head
+    group — in one Triton launch (bf16/fp16 operands, fp32 accumulation: the scores the backward recomputes).
+
+    For callers that hold a fused forward's output but not its LSE (inside a ``torch.compile``d graph the SDPA
+    hook cannot reach the fused node's saved LSE). Same device rules as ``gproj_backward``.
+    """
+    reason = kernel_unsupported_reason(q, k, k)
+    if reason is not None:
+        raise ValueError(f"attention_lse cannot run here: {reason}")
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if k.shape[0] != B or k.shape[3] != D or Hq % Hkv != 0:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not form an attention problem")
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    interpret = q.device.type != "cuda"
+    km = _kernels(interpret)
+    block_m, block_n = (16, 16) if interpret else (64, 64)
+    grid = (triton.cdiv(Sq, block_m), Hq, B)
+    with (_interpreter_patch() if interpret else contextlib.nullcontext()):
+        km._lse_fwd[grid](q, k, lse, *q.stride(), *k.stride(), *lse.stride(), Hq // Hkv, Sq, Sk, D,
+                          default_scale(D, scale) * 1.4426950408889634, CAUSAL=bool(causal), BLOCK_M=block_m,
+                          BLOCK_N=block_n, BLOCK_D=_block_d(D), num_warps=4)
+    return lse
