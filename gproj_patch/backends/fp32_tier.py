@@ -35,7 +35,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from .emulation import full_fp32, tile_scores
-from .spec import MaskSpec, default_scale, segments, validate_cu_seqlens, validate_qkv
+from .spec import (MaskSpec, default_scale, expand_attn_mask, segments, validate_attn_mask,
+                   validate_cu_seqlens, validate_qkv)
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
 CUDA_MEMORY_BUDGET_CAP = 2 << 30
@@ -77,22 +78,7 @@ def _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_q, cu_k, extra=(), ch
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (the mask is regenerated from it in the backward)")
-    if attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise ValueError("attn_mask must be a tensor")
-        if cu_q is not None:
-            raise ValueError("attn_mask cannot be combined with cu_seqlens (varlen)")
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
-        if attn_mask.device != q.device:
-            raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
-        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        try:
-            if attn_mask.dim() > 4:
-                raise RuntimeError
-            torch.broadcast_shapes(attn_mask.shape, target)
-        except RuntimeError:
-            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target}") from None
+    validate_attn_mask(attn_mask, q, k, varlen=cu_q is not None)
 
 
 def _chunk_len(rows_per_block: int, kl: int, budget: int, chunk_size: Optional[int]) -> int:
@@ -127,7 +113,7 @@ def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu
     full = (B, Hq, Sq, Sk)
     amask = None
     if attn_mask is not None:
-        amask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(full)
+        amask = expand_attn_mask(attn_mask, full)
     units = ([(slice(None), 0, Sq, 0, Sk)] if cu_q is None else
              [(slice(s.batch, s.batch + 1), s.q_start, s.q_len, s.k_start, s.k_len)
               for s in segments(B, Sq, Sk, cu_q, cu_k)])

@@ -17,7 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .spec import MaskSpec, default_scale, segments, validate_cu_seqlens, validate_qkv
+from .spec import (MaskSpec, default_scale, expand_attn_mask, segments, validate_attn_mask,
+                   validate_cu_seqlens, validate_qkv)
 
 _BLOCK_ELEMENTS = 1 << 24  # fp64 elements per score block (128 MiB)
 
@@ -25,18 +26,7 @@ _BLOCK_ELEMENTS = 1 << 24  # fp64 elements per score block (128 MiB)
 def _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, extra=()):
     validate_qkv(q, k, v, *extra)
     validate_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], q.shape[2], k.shape[2])
-    if attn_mask is not None:
-        if cu_seqlens_q is not None:
-            raise ValueError("attn_mask cannot be combined with cu_seqlens (varlen)")
-        if attn_mask.dim() > 4:
-            raise ValueError(f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}")
-        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        try:
-            torch.broadcast_shapes(attn_mask.shape, target)
-        except RuntimeError:
-            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target}") from None
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    validate_attn_mask(attn_mask, q, k, varlen=cu_seqlens_q is not None)
 
 
 def _scores(qc, kk, scale, mask: MaskSpec, rows, cols, sq, sk, attn_mask_block):
@@ -69,8 +59,7 @@ def _probabilities(s):
 def _mask_block(attn_mask, b, q0, q1, full_shape):
     if attn_mask is None:
         return None
-    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(full_shape)
-    return m[b, :, q0:q1, :]
+    return expand_attn_mask(attn_mask, full_shape)[b, :, q0:q1, :]
 
 
 def _walk(q, k, v, attn_mask, scale, mask, cu_seqlens_q, cu_seqlens_k):

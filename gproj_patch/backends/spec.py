@@ -148,6 +148,33 @@ def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra: Tupl
                 raise ValueError(f"{name} contains non-finite values")
 
 
+def validate_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor, varlen: bool) -> None:
+    """SDPA's ``attn_mask``: bool (True = attend) or additive float, broadcastable to (B, Hq, Sq, Sk), on q's
+    device, not combined with varlen. Raises ValueError otherwise; None passes."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise ValueError("attn_mask must be a tensor")
+    if varlen:
+        raise ValueError("attn_mask cannot be combined with cu_seqlens (varlen)")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        if attn_mask.dim() > 4:
+            raise RuntimeError
+        torch.broadcast_shapes(attn_mask.shape, target)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target}") from None
+
+
+def expand_attn_mask(attn_mask: torch.Tensor, full_shape) -> torch.Tensor:
+    """A validated ``attn_mask`` as a (B, Hq, Sq, Sk) view (no copy)."""
+    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(full_shape)
+
+
 def normalize_lse(lse: torch.Tensor, batch: int, heads: int, sq: int) -> torch.Tensor:
     """View any forward's natural-log LSE as (B, H, Sq) fp32 (no copy where possible).
 

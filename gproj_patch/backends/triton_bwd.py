@@ -183,11 +183,6 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return f"device={q.device.type}"
 
 
-def _check_lse(lse: torch.Tensor, B: int, H: int, S: int) -> torch.Tensor:
-    lse = normalize_lse(lse, B, H, S)
-    return lse
-
-
 def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
                    causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -222,7 +217,7 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if o.dtype != q.dtype or do.dtype != q.dtype:
         o = o.to(q.dtype)
         do = do.to(q.dtype)
-    lse = _check_lse(lse, B, H, SQ)
+    lse = normalize_lse(lse, B, H, SQ)
     alpha = default_scale(D, scale)
 
     interpret = q.device.type != "cuda"
