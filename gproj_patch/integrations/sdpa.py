@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 
-import torch
 import torch.nn.functional as F
 
 from .. import autograd

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 from transformers import TrainerCallback
 
