@@ -32,6 +32,15 @@ so the implied capped-score gradient t/τ' − λ r has zero row sum; with c = 0
 With softcap there is no exact gauge symmetry (tanh is not translation-equivariant), so this is a variance
 reduction, not a symmetry repair.
 
+Learnable sinks (``sink``, shape (Hq,), ``spec.py``). The saved LSE includes the sink, so P above already
+sums to 1 − P_sink over the real keys, and the exact row sum of G is P_sink·D, not 0. The per-row target
+T_i = P_sink,i·D_i (fp32, P_sink = exp(s_h − lse), D from the saved O as above) replaces 0:
+
+    λ = (ρ − T) / m            (so the corrected row sum Σ_j (t − λ r) is T; T = 0 without a sink)
+    dsink_h = −Σ_{b,i} T_i     (fp32; the same with or without the correction — the sink has no rounded operand)
+
+and everything else is unchanged. Softcap with a sink is refused (``spec.SINK_SOFTCAP_REASON``).
+
 ``emulated_forward`` is a matching model of an FA2-style forward (online softmax over key tiles, P̃ rounded to
 low precision for the PV product, row sum l from the fp32 P̃, O rounded at the end); the audit uses it to
 produce the saved O and LSE, so the "forward channel" (D from a saved O that is not the exact output) is in
@@ -46,7 +55,8 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-from .spec import MaskSpec, default_scale, normalize_lse, segments, validate_cu_seqlens, validate_qkv
+from .spec import (MaskSpec, default_scale, normalize_lse, segments, validate_cu_seqlens, validate_qkv,
+                   validate_sink)
 
 FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DK_FORMS = ("two_product", "fused")
@@ -131,8 +141,9 @@ def _tile_visible_anywhere(spec: MaskSpec, i0, i1, j0, j1, ql, kl, device) -> bo
     return bool(spec.visible(rows[:, None], cols[None, :], ql, kl).any())
 
 
-def _prepare(q, k, v, extra, fmt, scale, mask_kwargs):
+def _prepare(q, k, v, extra, fmt, scale, mask_kwargs, sink=None):
     validate_qkv(q, k, v, *extra)
+    validate_sink(sink, q, softcap=float(mask_kwargs.get("softcap", 0.0)))
     cu_q, cu_k = mask_kwargs.pop("cu_seqlens_q", None), mask_kwargs.pop("cu_seqlens_k", None)
     validate_cu_seqlens(cu_q, cu_k, q.shape[0], q.shape[2], k.shape[2])
     unknown = set(mask_kwargs) - {"causal", "causal_align", "window", "softcap"}
@@ -149,23 +160,29 @@ def _prepare(q, k, v, extra, fmt, scale, mask_kwargs):
 
 
 @_full_fp32
-def emulated_forward(q, k, v, *, fmt="bf16", block_n: int = 64, scale: Optional[float] = None, **mask
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+def emulated_forward(q, k, v, *, fmt="bf16", block_n: int = 64, scale: Optional[float] = None,
+                     sink: Optional[torch.Tensor] = None, **mask) -> Tuple[torch.Tensor, torch.Tensor]:
     """Model of an FA2-style low-precision forward: (O rounded to ``fmt`` held in fp32, LSE fp32 (B, Hq, Sq)).
 
     Online softmax over key tiles in fp32; the PV product uses low(P̃) (P̃ = exp(S − running max)), the row
-    sum l uses the fp32 P̃; O = low(acc / l). Rows that see no key: O = 0, LSE = −inf.
+    sum l uses the fp32 P̃; O = low(acc / l). Rows that see no key: O = 0, LSE = −inf. A ``sink`` enters as
+    a first tile of one key with no value (running max s_h, l = 1): the LSE includes it, rows that see no key
+    get LSE = s_h.
     """
-    spec, low, alpha, _g, qq, kk, vv, cu_q, cu_k = _prepare(q, k, v, (), fmt, scale, dict(mask))
+    spec, low, alpha, _g, qq, kk, vv, cu_q, cu_k = _prepare(q, k, v, (), fmt, scale, dict(mask), sink=sink)
     B, Hq, Sq, _ = q.shape
     out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
     for bs, qs, ql, ks, kl in _units(B, Sq, k.shape[2], cu_q, cu_k):
-        if ql == 0 or kl == 0:
+        if ql == 0 or (kl == 0 and sink is None):
             continue
         Q = qq[bs, :, qs:qs + ql]
-        m = torch.full(Q.shape[:-1], float("-inf"), device=q.device)
-        l = torch.zeros(Q.shape[:-1], device=q.device)
+        if sink is None:
+            m = torch.full(Q.shape[:-1], float("-inf"), device=q.device)
+            l = torch.zeros(Q.shape[:-1], device=q.device)
+        else:  # the sink as a tile of one key with no value row
+            m = sink.to(torch.float32).view(-1, 1).expand(Q.shape[:-1]).clone()
+            l = torch.ones(Q.shape[:-1], device=q.device)
         acc = torch.zeros(Q.shape[:-1] + (v.shape[-1],), device=q.device)
         for j0 in range(0, kl, block_n):
             j1 = min(kl, j0 + block_n)
@@ -191,8 +208,8 @@ def emulated_forward(q, k, v, *, fmt="bf16", block_n: int = 64, scale: Optional[
 @_full_fp32
 def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, dk_form: str = "two_product",
                       block_m: int = 64, block_n: int = 64, scale: Optional[float] = None,
-                      stats: Optional[Dict[str, torch.Tensor]] = None, **mask
-                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      stats: Optional[Dict[str, torch.Tensor]] = None, sink: Optional[torch.Tensor] = None,
+                      **mask):
     """Emulated low-precision attention backward (see the module docstring); returns fp32 (dq, dk, dv).
 
     q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), o/do like q, lse in any layout ``spec.normalize_lse`` reads
@@ -201,15 +218,19 @@ def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, 
     dk/dv are summed over each query-head group. Rows with lse = −inf get zero gradients.
 
     ``stats``: if a dict is passed, it receives per-row fp32 tensors (B, Hq, Sq) ``rho`` (Σ_j t), ``m``
-    (Σ_j r), ``lam`` (λ), and with ``correct=True`` ``resid`` = Σ_j (t − λ r) summed tile by tile in fp32
-    (the conservation law after the projection; zero up to fp32 rounding) and ``abs_t`` = Σ_j |t|.
+    (Σ_j r), ``lam`` (λ), ``target`` (T = P_sink·D; 0 without a sink), and with ``correct=True`` ``resid`` =
+    Σ_j (t − λ r) − T summed tile by tile in fp32 (the conservation law after the projection; zero up to fp32
+    rounding) and ``abs_t`` = Σ_j |t|.
+
+    ``sink`` (Hq,): the learnable sink the forward's LSE includes (module docstring); the result is then
+    (dq, dk, dv, dsink) with dsink (Hq,) fp32. Without it, (dq, dk, dv).
     """
     if dk_form not in DK_FORMS:
         raise ValueError(f"dk_form must be one of {DK_FORMS}, got {dk_form!r}")
     if block_m < 1 or block_n < 1:
         raise ValueError("block_m and block_n must be positive")
     spec, low, alpha, group, qq, kk, vv, cu_q, cu_k = _prepare(q, k, v, (("o", o), ("do", do)), fmt, scale,
-                                                                dict(mask))
+                                                                dict(mask), sink=sink)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     lse = normalize_lse(lse, B, Hq, Sq)
@@ -219,8 +240,10 @@ def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, 
     dq = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
     dk_full = torch.zeros(B, Hq, Sk, D, dtype=torch.float32, device=q.device)
     dv_full = torch.zeros(B, Hq, Sk, v.shape[-1], dtype=torch.float32, device=q.device)
+    dsink = torch.zeros(Hq, dtype=torch.float32, device=q.device)
+    sink_col = None if sink is None else sink.to(torch.float32).view(-1, 1, 1)
     if stats is not None:
-        for name in ("rho", "m", "lam") + (("resid", "abs_t") if correct else ()):
+        for name in ("rho", "m", "lam", "target") + (("resid", "abs_t") if correct else ()):
             stats[name] = torch.zeros(B, Hq, Sq, dtype=torch.float32, device=q.device)
     fused = dk_form == "fused"
     for bs, qs, ql, ks, kl in _units(B, Sq, Sk, cu_q, cu_k):
@@ -236,6 +259,11 @@ def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, 
             li = lse[bs, :, rows]
             live = torch.isfinite(li)[..., None]
             li = torch.where(live, li[..., None], torch.zeros_like(li[..., None]))
+            target = torch.zeros(Di.shape[:-1], device=q.device)  # T = P_sink·D: the exact row sum of G
+            if sink_col is not None:
+                psink = torch.where(live, torch.exp(sink_col - li), torch.zeros_like(li))
+                target = (psink * Di)[..., 0]
+                dsink -= target.sum(dim=(0, 2))
             shape = Qi.shape[:-1]
             rho = torch.zeros(shape, device=q.device)
             msum = torch.zeros(shape, device=q.device)
@@ -271,7 +299,7 @@ def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, 
                     wk_acc += torch.matmul(w, Kj)
                 if not (correct and fused):
                     dK[:, :, js] += alpha * torch.matmul(t.transpose(-1, -2), Qi)
-            lam = torch.where(msum > 0, rho / torch.where(msum > 0, msum, torch.ones_like(msum)),
+            lam = torch.where(msum > 0, (rho - target) / torch.where(msum > 0, msum, torch.ones_like(msum)),
                               torch.zeros_like(msum))
             if correct:
                 dq[bs, :, rows] = alpha * (dq_acc - lam[..., None] * wk_acc)
@@ -286,7 +314,7 @@ def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, 
                     if stats is not None:
                         resid += ((t if mass is None else mass) - lam[..., None] * r).sum(-1)
                 if stats is not None:
-                    stats["resid"][bs, :, rows] = resid
+                    stats["resid"][bs, :, rows] = resid - target
                     stats["abs_t"][bs, :, rows] = abs_t
             else:
                 dq[bs, :, rows] = alpha * dq_acc
@@ -294,6 +322,7 @@ def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, 
                 stats["rho"][bs, :, rows] = rho
                 stats["m"][bs, :, rows] = msum
                 stats["lam"][bs, :, rows] = lam
+                stats["target"][bs, :, rows] = target
     dk = dk_full.view(B, Hkv, group, Sk, D).sum(2)
     dv = dv_full.view(B, Hkv, group, Sk, -1).sum(2)
-    return dq, dk, dv
+    return (dq, dk, dv) if sink is None else (dq, dk, dv, dsink)

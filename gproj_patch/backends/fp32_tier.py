@@ -16,6 +16,13 @@ Backward of one query chunk (full key rows, so the softmax is exact in fp32 with
     with G' = G ∘ τ', P' = P ∘ τ' under softcap (the projection acts on the capped-score gradient, where the
     zero row sum holds), G' = G, P' = P otherwise.
 
+Learnable sink (``sink``, shape (Hq,), ``spec.py``): s_h joins each row's softmax denominator (max and sum)
+with no value row, so Σ_j P = 1 − P_sink and the exact Σ_j G = P_sink·D; the projection restores that target,
+λ = (Σ_j G − P_sink·D) / Σ_j P, and dsink_h = −Σ_{b,i} P_sink·D (fp32, the same with ``project=False``). The
+backward then returns (dq, dk, dv, dsink); the forward's LSE includes the sink (rows that see no key: LSE =
+s_h, output 0). Dropout multiplies only the real keys' probabilities, as the sink has no value. Softcap with
+a sink is refused (ValueError).
+
 The projection is in the non-materialized form of GProj (the two products are never merged into one
 rounded G − λP). ``project=False`` gives plain FP32 attention, which leaks in the sink regime (DESIGN §1).
 
@@ -36,7 +43,7 @@ import torch
 
 from .emulation import full_fp32, tile_scores
 from .spec import (MaskSpec, default_scale, expand_attn_mask, segments, validate_attn_mask,
-                   validate_cu_seqlens, validate_qkv)
+                   validate_cu_seqlens, validate_qkv, validate_sink)
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
 CUDA_MEMORY_BUDGET_CAP = 2 << 30
@@ -71,8 +78,10 @@ def dropout_keep(seed: int, batch: int, heads: torch.Tensor, rows: torch.Tensor,
     return h.to(torch.float64) >= p * 4294967296.0
 
 
-def _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_q, cu_k, extra=(), check_finite=True):
+def _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_q, cu_k, extra=(), check_finite=True, sink=None,
+           softcap=0.0):
     validate_qkv(q, k, v, *extra, check_finite=check_finite)
+    validate_sink(sink, q, softcap=float(softcap))
     validate_cu_seqlens(cu_q, cu_k, q.shape[0], q.shape[2], k.shape[2])
     if not (0.0 <= float(dropout_p) < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
@@ -101,11 +110,32 @@ def _visible_key_range(spec: MaskSpec, c0: int, c1: int, ql: int, kl: int, devic
 
 
 class _Chunk:
-    __slots__ = ("bs", "rows", "keys", "q", "k", "v", "p", "z", "tau", "lse")
+    __slots__ = ("bs", "rows", "keys", "q", "k", "v", "p", "z", "tau", "lse", "psink")
 
 
-def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu_q, cu_k, budget, chunk_size
-          ) -> Iterator[_Chunk]:
+def _softmax(s, sink_col):
+    """(P, LSE, P_sink or None) of scores ``s`` (…, rows, keys), the sink column (1, Hq, 1, 1) in the
+    denominator; rows whose maximum (sink included) is −inf get P = 0, LSE = −inf, P_sink = 0."""
+    m = s.amax(-1, keepdim=True)
+    if sink_col is not None:
+        m = torch.maximum(m, sink_col)
+    dead = torch.isneginf(m)
+    m_safe = torch.where(dead, torch.zeros_like(m), m)
+    e = torch.exp(s - m_safe)
+    l = e.sum(-1, keepdim=True)
+    esink = None
+    if sink_col is not None:
+        esink = torch.exp(sink_col - m_safe)
+        l = l + esink
+    l_safe = torch.where(dead, torch.ones_like(l), l)
+    p = torch.where(dead, torch.zeros_like(e), e / l_safe)
+    lse = torch.where(dead, m, m + torch.log(l_safe)).squeeze(-1)
+    psink = None if esink is None else torch.where(dead, torch.zeros_like(l), esink / l_safe)
+    return p, lse, psink
+
+
+def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu_q, cu_k, budget, chunk_size,
+          sink=None) -> Iterator[_Chunk]:
     """Yield the fp32 probabilities of each query chunk (full key rows) with what the backward needs."""
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
@@ -118,6 +148,7 @@ def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu
              [(slice(s.batch, s.batch + 1), s.q_start, s.q_len, s.k_start, s.k_len)
               for s in segments(B, Sq, Sk, cu_q, cu_k)])
     heads = torch.arange(Hq, device=q.device, dtype=torch.int64)
+    sink_col = None if sink is None else sink.to(torch.float32).view(1, Hq, 1, 1)
     for bs, qs, ql, ks, kl in units:
         if ql == 0 or kl == 0:
             continue
@@ -140,14 +171,10 @@ def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu
                 s = s.masked_fill(~mb, float("-inf")) if mb.dtype == torch.bool else s + mb.to(torch.float32)
             if vis is not None:
                 s = s.masked_fill(~vis, float("-inf"))
-            m = s.amax(-1, keepdim=True)
-            dead = torch.isneginf(m)
-            e = torch.exp(s - torch.where(dead, torch.zeros_like(m), m))
-            l = e.sum(-1, keepdim=True)
-            p = torch.where(dead, torch.zeros_like(e), e / torch.where(dead, torch.ones_like(l), l))
+            p, lse, psink = _softmax(s, sink_col)
             ch = _Chunk()
             ch.bs, ch.rows, ch.keys, ch.q, ch.k, ch.v, ch.p, ch.tau = bs, rows, keys, Q, Kc, Vc, p, tau
-            ch.lse = torch.where(dead, m, m + torch.log(torch.where(dead, torch.ones_like(l), l))).squeeze(-1)
+            ch.lse, ch.psink = lse, psink
             ch.z = None
             if dropout_p > 0:
                 bidx = list(range(B))[bs]
@@ -166,22 +193,27 @@ def _mask_spec(causal, causal_align, window, softcap) -> MaskSpec:
 def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                  scale: Optional[float] = None, causal: bool = False, causal_align: str = "top_left",
                  window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                 chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, check_finite: bool = True
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+                 chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, check_finite: bool = True,
+                 sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """FP32 attention output (B, Hq, Sq, Dv) fp32 and natural-log LSE (B, Hq, Sq) fp32 (−inf: no key seen).
 
     ``check_finite=False`` lets inf/NaN inputs propagate (the hooks: a GradScaler must see an overflow, not an
-    exception)."""
-    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, check_finite=check_finite)
+    exception). ``sink`` (Hq,): learnable sink logits in the denominator (module docstring); the LSE includes
+    them, and a row that sees no key gets LSE = s_h."""
+    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, check_finite=check_finite,
+           sink=sink, softcap=softcap)
     spec = _mask_spec(causal, causal_align, window, softcap)
     alpha = default_scale(q.shape[-1], scale)
     B, Hq, Sq, _ = q.shape
     out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
     budget = _default_budget(q.device) if memory_budget is None else memory_budget
+    if sink is not None:  # rows the walk skips (no visible key) have LSE = s_h
+        for seg in segments(B, Sq, k.shape[2], cu_seqlens_q, cu_seqlens_k):
+            lse[seg.batch, :, seg.q_start:seg.q_start + seg.q_len] = sink.to(torch.float32)[:, None]
     with full_fp32():
         for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
-                        budget, chunk_size):
+                        budget, chunk_size, sink=sink):
             pd = ch.p if ch.z is None else ch.p * ch.z
             out[ch.bs, :, ch.rows] = torch.matmul(pd, ch.v)
             lse[ch.bs, :, ch.rows] = ch.lse
@@ -192,14 +224,16 @@ def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropou
                   project: bool = True, scale: Optional[float] = None, causal: bool = False,
                   causal_align: str = "top_left", window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
                   cu_seqlens_k=None, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-                  check_finite: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  check_finite: bool = True, sink: Optional[torch.Tensor] = None):
     """(dq, dk, dv) fp32 of ⟨do, attention(q, k, v)⟩, recomputed in FP32; GProj projection unless project=False.
 
     dk/dv are summed over each query-head group (GQA). Rows that see no key get zero gradients.
     ``check_finite=False`` lets inf/NaN propagate into the gradients (as a fused backward does) instead of raising.
+    ``sink`` (Hq,): learnable sink logits (module docstring); the result is then (dq, dk, dv, dsink), dsink (Hq,)
+    fp32.
     """
     _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, extra=(("do", do),),
-           check_finite=check_finite)
+           check_finite=check_finite, sink=sink, softcap=softcap)
     spec = _mask_spec(causal, causal_align, window, softcap)
     alpha = default_scale(q.shape[-1], scale)
     B, Hq, Sq, D = q.shape
@@ -208,10 +242,11 @@ def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropou
     dq = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
     dk_full = torch.zeros(B, Hq, Sk, D, dtype=torch.float32, device=q.device)
     dv_full = torch.zeros(B, Hq, Sk, v.shape[-1], dtype=torch.float32, device=q.device)
+    dsink = torch.zeros(Hq, dtype=torch.float32, device=q.device)
     budget = _default_budget(q.device) if memory_budget is None else memory_budget
     with full_fp32():
         for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
-                        budget, chunk_size):
+                        budget, chunk_size, sink=sink):
             dO = do[ch.bs, :, ch.rows].to(torch.float32)
             p = ch.p
             pd = p if ch.z is None else p * ch.z
@@ -220,14 +255,17 @@ def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropou
                 dP = dP * ch.z
             Dr = (dO * torch.matmul(pd, ch.v)).sum(-1, keepdim=True)
             g = p * (dP - Dr)
+            target = torch.zeros_like(Dr) if ch.psink is None else ch.psink * Dr  # exact Σ_j G: P_sink·D
+            if ch.psink is not None:
+                dsink -= target.sum(dim=(0, 2, 3))
             dv_full[ch.bs, :, ch.keys] += torch.matmul(pd.transpose(-1, -2), dO)
             gt = g if ch.tau is None else g * ch.tau
             dqc = torch.matmul(gt, ch.k)
             dkc = torch.matmul(gt.transpose(-1, -2), ch.q)
             if project:
                 msum = p.sum(-1, keepdim=True)
-                lam = torch.where(msum > 0, g.sum(-1, keepdim=True) / torch.where(msum > 0, msum, 1.0),
-                                  torch.zeros_like(msum))
+                rho = g.sum(-1, keepdim=True)
+                lam = torch.where(msum > 0, (rho - target) / torch.where(msum > 0, msum, 1.0), torch.zeros_like(msum))
                 pt = p if ch.tau is None else p * ch.tau
                 dqc = dqc - lam * torch.matmul(pt, ch.k)
                 dkc = dkc - torch.matmul((lam * pt).transpose(-1, -2), ch.q)
@@ -235,4 +273,4 @@ def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropou
             dk_full[ch.bs, :, ch.keys] += alpha * dkc
     dk = dk_full.view(B, Hkv, group, Sk, D).sum(2)
     dv = dv_full.view(B, Hkv, group, Sk, -1).sum(2)
-    return dq, dk, dv
+    return (dq, dk, dv) if sink is None else (dq, dk, dv, dsink)

@@ -10,6 +10,14 @@ Memory is bounded by one (heads × chunk × Sk) fp64 block at a time, not S×S f
 
 Masking, varlen, GQA and softcap follow ``spec.py``. ``attn_mask`` (SDPA semantics) may be a boolean mask
 (True = attend) or an additive float mask, broadcastable to (B, Hq, Sq, Sk); it is not combined with varlen.
+
+Learnable sinks (``sink``, shape (Hq,), see ``spec.py``): the sink logit is a column appended to every row's
+scores after the masks (never masked), so
+
+    LSE_i = log(Σ_j exp(S_ij) + exp(s_h)),  P_sink,i = exp(s_h − LSE_i),  G = P∘(dP − D),  Σ_j G_ij = P_sink,i·D_i
+    dsink_h = −Σ_{b,i} P_sink,i·D_i
+
+with D still Σ_j P_ij dP_ij over the real keys (the sink has no value row). Softcap with a sink is refused.
 """
 from __future__ import annotations
 
@@ -18,13 +26,14 @@ from typing import Optional, Tuple
 import torch
 
 from .spec import (MaskSpec, default_scale, expand_attn_mask, segments, validate_attn_mask,
-                   validate_cu_seqlens, validate_qkv)
+                   validate_cu_seqlens, validate_qkv, validate_sink)
 
 _BLOCK_ELEMENTS = 1 << 24  # fp64 elements per score block (128 MiB)
 
 
-def _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, extra=()):
+def _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, extra=(), sink=None, softcap=0.0):
     validate_qkv(q, k, v, *extra)
+    validate_sink(sink, q, softcap=float(softcap))
     validate_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], q.shape[2], k.shape[2])
     validate_attn_mask(attn_mask, q, k, varlen=cu_seqlens_q is not None)
 
@@ -48,12 +57,21 @@ def _scores(qc, kk, scale, mask: MaskSpec, rows, cols, sq, sk, attn_mask_block):
     return s, dcap
 
 
-def _probabilities(s):
-    lse = torch.logsumexp(s, dim=-1)
+def _probabilities(s, sink_col=None):
+    """(P over the real keys, LSE, P_sink or None); ``sink_col`` (Hq, 1, 1) fp64 is appended as a column."""
+    full = s if sink_col is None else torch.cat([s, sink_col.expand(*s.shape[:-1], 1)], dim=-1)
+    lse = torch.logsumexp(full, dim=-1)
     empty = torch.isneginf(lse)
-    p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None])
-    p = p.masked_fill(empty[..., None], 0.0)
-    return p, lse
+    shift = lse.masked_fill(empty, 0.0)[..., None]
+    p = torch.exp(s - shift).masked_fill(empty[..., None], 0.0)
+    psink = None
+    if sink_col is not None:
+        psink = torch.exp(sink_col[..., 0] - shift[..., 0]).masked_fill(empty, 0.0)
+    return p, lse, psink
+
+
+def _sink_column(sink):
+    return None if sink is None else sink.to(torch.float64).view(-1, 1, 1)
 
 
 def _mask_block(attn_mask, b, q0, q1, full_shape):
@@ -87,20 +105,21 @@ def _walk(q, k, v, attn_mask, scale, mask, cu_seqlens_q, cu_seqlens_k):
 
 def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
                       scale: Optional[float] = None, causal: bool = False, causal_align: str = "top_left",
-                      window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+                      window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                      sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact attention output (B, Hq, Sq, Dv) and natural-log LSE (B, Hq, Sq), both fp64.
 
-    Rows that see no key get output 0 and LSE = -inf.
+    Rows that see no key get output 0 and LSE = -inf (= s_h with a ``sink``: the LSE includes the sink).
     """
-    _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k)
+    _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, sink=sink, softcap=softcap)
+    sink_col = _sink_column(sink)
     mask = MaskSpec(causal, causal_align, tuple(window), float(softcap))
     scale = default_scale(q.shape[-1], scale)
     B, Hq, Sq, _ = q.shape
     out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=torch.float64, device=q.device)
     lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float64, device=q.device)
     for seg, _kk, vv, (c0, c1), _qc, s, _ in _walk(q, k, v, attn_mask, scale, mask, cu_seqlens_q, cu_seqlens_k):
-        p, l = _probabilities(s)
+        p, l, _ = _probabilities(s, sink_col)
         rows = slice(seg.q_start + c0, seg.q_start + c1)
         out[seg.batch, :, rows] = torch.matmul(p, vv)
         lse[seg.batch, :, rows] = l
@@ -110,13 +129,15 @@ def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn
 def reference_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
                        attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                        causal: bool = False, causal_align: str = "top_left", window=(-1, -1),
-                       softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact (dq, dk, dv) in fp64 for the loss ⟨do, attention(q, k, v)⟩.
+                       softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                       sink: Optional[torch.Tensor] = None):
+    """Exact (dq, dk, dv) in fp64 for the loss ⟨do, attention(q, k, v)⟩; with a ``sink``, (dq, dk, dv, dsink),
+    dsink (Hq,) fp64 = −Σ_{b,i} P_sink,i·D_i (see the module docstring).
 
     dk and dv are summed over each query-head group (GQA/MQA). Rows that see no key contribute nothing.
     """
-    _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, extra=(("do", do),))
+    _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, extra=(("do", do),), sink=sink, softcap=softcap)
+    sink_col = _sink_column(sink)
     mask = MaskSpec(causal, causal_align, tuple(window), float(softcap))
     scale = default_scale(q.shape[-1], scale)
     B, Hq, Sq, _ = q.shape
@@ -125,16 +146,19 @@ def reference_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: to
     dq = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     dk_full = torch.zeros(B, Hq, Sk, k.shape[-1], dtype=torch.float64, device=q.device)
     dv_full = torch.zeros(B, Hq, Sk, v.shape[-1], dtype=torch.float64, device=q.device)
+    dsink = torch.zeros(Hq, dtype=torch.float64, device=q.device)
     for seg, kk, vv, (c0, c1), qc, s, dcap in _walk(q, k, v, attn_mask, scale, mask, cu_seqlens_q, cu_seqlens_k):
         if seg.k_len == 0:
-            continue
-        p, _ = _probabilities(s)
+            continue  # output 0, so D = 0: no sink gradient either
+        p, _, psink = _probabilities(s, sink_col)
         rows = slice(seg.q_start + c0, seg.q_start + c1)
         keys = slice(seg.k_start, seg.k_start + seg.k_len)
         doc = do[seg.batch, :, rows].to(torch.float64)
         dp = torch.matmul(doc, vv.transpose(-1, -2))
         delta = (p * dp).sum(-1, keepdim=True)
         g = p * (dp - delta)
+        if psink is not None:
+            dsink -= (psink * delta[..., 0]).sum(-1)
         if dcap is not None:
             g = g * dcap
         dq[seg.batch, :, rows] = scale * torch.matmul(g, kk)
@@ -142,4 +166,4 @@ def reference_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: to
         dv_full[seg.batch, :, keys] += torch.matmul(p.transpose(-1, -2), doc)
     dk = dk_full.view(B, Hkv, group, Sk, -1).sum(2)
     dv = dv_full.view(B, Hkv, group, Sk, -1).sum(2)
-    return dq, dk, dv
+    return (dq, dk, dv) if sink is None else (dq, dk, dv, dsink)

@@ -195,3 +195,44 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     """u = 2^-(mantissa bits + 1): 2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32."""
     return {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24,
             torch.float64: 2.0 ** -53}[dtype]
+
+
+# Learnable attention sinks ---------------------------------------------------------------------------------
+#
+# A sink is a per-query-head logit s_h (a tensor of shape (Hq,)) that enters every row's softmax denominator
+# with no value row:  LSE_i = log(Σ_j exp(S_ij) + exp(s_h)),  P_ij = exp(S_ij − LSE_i),  P_sink,i = exp(s_h − LSE_i),
+# so Σ_j P_ij = 1 − P_sink,i (S_ij the scaled, masked scores of the visible keys; a row that sees no key has
+# LSE = s_h, P_sink = 1, output 0). The exact score gradient then has the row sum Σ_j dS_ij = P_sink,i·D_i
+# (D_i = Σ_j P_ij dP_ij = dO_i·O_i), not 0, and the sink's own gradient is dsink_h = −Σ_{b,i} P_sink,i·D_i
+# (the rows of every batch entry / varlen sequence of head h). The sink logit is not passed through a softcap
+# and is never masked. A backward given ``sink`` returns (dq, dk, dv, dsink), dsink shaped like ``sink``.
+
+#: softcap and a sink together: no common convention for whether the sink logit is capped, so it is refused
+SINK_SOFTCAP_REASON = "softcap with a learnable sink (is the sink logit capped? no common convention)"
+
+
+def sink_unsupported_reason(sink, q: torch.Tensor, *, softcap: float = 0.0) -> Optional[str]:
+    """None when ``sink`` (or None) is a valid learnable sink for queries ``q`` of shape (B, Hq, Sq, D):
+    a floating tensor of shape (Hq,), fp32 or q's dtype, on q's device; softcap must be 0 with a sink.
+    Otherwise a short reason naming what is wrong."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        return f"sink must be a tensor, got {type(sink).__name__}"
+    heads = q.shape[1] if q.dim() == 4 else None
+    if sink.dim() != 1 or heads is None or sink.shape[0] != heads:
+        return f"sink must have shape (Hq,) = ({heads},), got {tuple(sink.shape)}"
+    if sink.dtype not in (torch.float32, q.dtype):
+        return f"sink dtype={str(sink.dtype).replace('torch.', '')} (must be float32 or the input dtype)"
+    if sink.device != q.device:
+        return f"sink is on {sink.device}, q on {q.device}"
+    if softcap > 0:
+        return SINK_SOFTCAP_REASON
+    return None
+
+
+def validate_sink(sink, q: torch.Tensor, *, softcap: float = 0.0) -> None:
+    """Raise ValueError with ``sink_unsupported_reason`` when it is not None."""
+    reason = sink_unsupported_reason(sink, q, softcap=softcap)
+    if reason is not None:
+        raise ValueError(reason)
