@@ -104,11 +104,15 @@ def check_case(name, seed):
     torch.cuda.synchronize()
     row["finite"] = all(bool(torch.isfinite(x).all()) for x in g1)
     row["deterministic"] = all(torch.equal(x, y) for x, y in zip(g1, g2))
-    tl = gproj_backward(do, q, k, v, o, lse, **kw)
-    for nm, a, t, r in zip("qkv", g1, tl, ref):
+    for nm, a, r in zip("qkv", g1, ref):
         row[f"d{nm}"] = dc.rel(a, r) if row["finite"] else float("nan")
-        row[f"tl_d{nm}"] = dc.rel(t, r)
-    row["vs_tl"] = max(dc.rel(a, t) for a, t in zip(g1, tl)) if row["finite"] else float("nan")
+    try:  # the tl kernel on the same inputs, for comparison
+        tl = gproj_backward(do, q, k, v, o, lse, **kw)
+        for nm, t, r in zip("qkv", tl, ref):
+            row[f"tl_d{nm}"] = dc.rel(t, r)
+        row["vs_tl"] = max(dc.rel(a, t) for a, t in zip(g1, tl)) if row["finite"] else float("nan")
+    except Exception as e:
+        row.update(tl_dq=float("nan"), tl_dk=float("nan"), tl_dv=float("nan"), tl_error=repr(e)[:300])
     if name == "witness":
         row["dq0"] = float(g1[0][0, 0, 0, 0])
     if name == "empty_rows_br":  # rows that see no key: exactly zero gradients
@@ -201,9 +205,13 @@ def time_shape(B, H, HKV, S, D, causal, sweep=False):
             res[f"gluon_{part}"] = _bench(fn)
         finally:
             gluon_bwd._RUN = ("pre", "dq", "dkdv")
-    fn_tl = lambda: gproj_backward(do, q, k, v, o, lse, causal=causal)  # noqa: E731
-    fn_tl()
-    res["tl"] = _bench(fn_tl)
+    try:
+        fn_tl = lambda: gproj_backward(do, q, k, v, o, lse, causal=causal)  # noqa: E731
+        fn_tl()
+        res["tl"] = _bench(fn_tl)
+    except Exception as e:  # pragma: no cover
+        res["tl"] = float("nan")
+        log(f"tl failed: {e!r}"[:300])
     try:
         qq, kk, vv = (x.detach().requires_grad_() for x in (q, krep, vrep))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -45,7 +45,7 @@ TMA_ALIGN_BYTES = 16
 _POISON_OUTPUTS = False
 #: launches to run (benchmarks time the kernels one at a time by removing the others; results then invalid)
 _RUN = ("pre", "dq", "dkdv")
-#: the preprocess launch's rows per program (it is the tl kernel's ``_preprocess``)
+#: the preprocess launch's rows per program
 _PRE_BLOCK_S = 64
 
 
@@ -176,8 +176,8 @@ def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if reason is not None:
         raise ValueError(f"gluon_backward cannot run these inputs: {reason}")
     validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
-    if o.dtype != q.dtype:
-        o = o.to(q.dtype)
+    if o.dtype != q.dtype or o.stride(-1) != 1:
+        o = o.to(q.dtype).contiguous()  # the preprocess reads rows of O with unit stride
     B, H, SQ, D = q.shape
     HKV, SK = k.shape[1], k.shape[2]
     lse = normalize_lse(lse, B, H, SQ)
@@ -190,11 +190,10 @@ def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     delta = torch.empty((B * H, SQ), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     lam = torch.empty_like(delta)
-    from .triton_bwd import _kernels  # the tl preprocess (D from the saved output, base-2 LSE)
     if "pre" in _RUN:
-        _kernels(False)._preprocess[(triton.cdiv(SQ, _PRE_BLOCK_S), B * H)](
-            o, do, lse, delta, lse2, *o.stride(), *do.stride(), *lse.stride(), H, SQ, D,
-            BLOCK_S=_PRE_BLOCK_S, BLOCK_D=D, num_warps=4)
+        _gk._preprocess_kernel[(triton.cdiv(SQ, _PRE_BLOCK_S), B * H)](
+            o, do, lse, delta, lse2, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
+            do.stride(2), *lse.stride(), H, SQ, BLOCK_S=_PRE_BLOCK_S, HEAD_DIM=D, num_warps=4)
 
     cfg = dict(CONFIGS[D])
     cfg.update(_config or {})

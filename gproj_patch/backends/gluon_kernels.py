@@ -1,7 +1,7 @@
 """Hopper (sm_90a) Gluon kernels of the GProj backward (launched from ``gluon_bwd.py``).
 
-Same numerics contract and the same split as the portable ``tl`` kernels (``triton_kernels.py``): the
-preprocess there gives D (from the saved output) and a base-2 LSE (+inf on fully masked rows); then
+Same numerics contract and the same split as the portable ``tl`` kernels (``triton_kernels.py``):
+``_preprocess_kernel`` gives D (from the saved output) and a base-2 LSE (+inf on fully masked rows); then
 
 * ``_dq_kernel`` (dQ-major): one program per (query block, query head, batch). Per key tile:
   S = Q·Kᵀ and dP = dO·Vᵀ (wgmma, operands in shared memory), P = exp2(S·α·log2e − lse2),
@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 #: columns of the one-hot matrix the row sums are multiplied with (the narrowest wgmma N)
 SUM_COLS = gl.constexpr(8)
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.constexpr_function
@@ -86,6 +87,32 @@ def _issue_pair(desc_a, desc_b, bars, smem_a, smem_b, stage, b, h, row0):
     shape4: gl.constexpr = desc_a.block_type.shape
     tma.async_copy_global_to_shared(desc_a, [b, h, row0, 0], bar, smem_a.index(stage).reshape(shape4))
     tma.async_copy_global_to_shared(desc_b, [b, h, row0, 0], bar, smem_b.index(stage).reshape(shape4))
+
+
+@gluon.jit
+def _preprocess_kernel(O, DO, LSE, Delta, LSE2,
+                       so_b, so_h, so_s, sdo_b, sdo_h, sdo_s, sl_b, sl_h, sl_s,
+                       H, SQ, BLOCK_S: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+    """D_i = Σ_d dO_id·O_id in fp32 from the saved output, and lse2 = LSE·log2(e) with −inf rows made +inf
+    (their P is then exactly 0), both written to (B·H, Sq) fp32 rows."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [num_warps, 1], [1, 0])
+    pid_s = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    offs_s = pid_s * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, blk))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
+    inside = offs_s < SQ
+    rows = offs_s.to(gl.int64)[:, None]
+    m2 = inside[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o = gl.load(O + b * so_b + h * so_h + rows * so_s + offs_d[None, :], mask=m2, other=0.0)
+    do = gl.load(DO + b * sdo_b + h * sdo_h + rows * sdo_s + offs_d[None, :], mask=m2, other=0.0)
+    delta = gl.sum(o.to(gl.float32) * do.to(gl.float32), axis=1)
+    lse = gl.load(LSE + b * sl_b + h * sl_h + offs_s * sl_s, mask=inside, other=0.0)
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    out = bh.to(gl.int64) * SQ + offs_s
+    gl.store(Delta + out, delta, mask=inside)
+    gl.store(LSE2 + out, lse2, mask=inside)
 
 
 @gluon.jit
