@@ -9,6 +9,10 @@ implementation), so ``torch.compile(fullgraph=True)`` traces through it as one o
 ``gproj_patch.backends.triton_bwd.gproj_backward`` (outputs in the input dtype, shaped and strided like
 ``torch.empty_like`` of q, k, v); the window is passed to the op as two ints.
 
+**Learnable sinks.** ``attention_backward(..., sink=s)`` (s of shape (Hq,), fp32 or the input dtype) returns
+(dq, dk, dv, dsink) through a second op, ``gproj::attention_backward_sink`` (the same arguments plus the sink;
+four outputs, dsink like ``torch.empty_like(sink)``), so the three-output schema of the first op is unchanged.
+
 The op runs the Triton kernel and nothing else: it raises ``ValueError`` with
 ``triton_bwd.kernel_unsupported_reason`` when the kernel cannot take the inputs (choosing a fallback tier is
 ``dispatch.py``'s job).
@@ -56,14 +60,39 @@ def _attention_backward_fake(do, q, k, v, o, lse, scale=None, causal=False, caus
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("gproj::attention_backward_sink", mutates_args=())
+def _attention_backward_sink_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, scale: Optional[float] = None,
+                                causal: bool = False, causal_align: str = "top_left", window_left: int = -1,
+                                window_right: int = -1, softcap: float = 0.0,
+                                cu_seqlens_q: Optional[torch.Tensor] = None,
+                                cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+                                max_seqlen_k: Optional[int] = None, correct: bool = True,
+                                deterministic: bool = False
+                                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_bwd.gproj_backward(
+        do, q, k, v, o, lse, scale=scale, causal=causal, causal_align=causal_align,
+        window=(window_left, window_right), softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, correct=correct,
+        deterministic=deterministic, sink=sink)
+
+
+@_attention_backward_sink_op.register_fake
+def _attention_backward_sink_fake(do, q, k, v, o, lse, sink, scale=None, causal=False, causal_align="top_left",
+                                  window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
+                                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, correct=True,
+                                  deterministic=False):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(sink)
+
+
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
                        causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                        cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
                        max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                       correct: bool = True, deterministic: bool = False
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GProj attention backward (dq, dk, dv) through ``torch.ops.gproj.attention_backward``.
+                       correct: bool = True, deterministic: bool = False, sink: Optional[torch.Tensor] = None):
+    """GProj attention backward (dq, dk, dv) through ``torch.ops.gproj.attention_backward``; with a ``sink``
+    (Hq,), (dq, dk, dv, dsink) through ``torch.ops.gproj.attention_backward_sink``.
 
     See the module docstring and ``triton_bwd.gproj_backward``. ``lse`` may be in any layout
     ``spec.normalize_lse`` reads; it is normalized to (B, H, Sq) fp32 here (a view where possible).
@@ -71,8 +100,10 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     from .spec import normalize_lse
     lse = normalize_lse(lse, q.shape[0], q.shape[1], q.shape[2])
     left, right = window
-    return torch.ops.gproj.attention_backward(
-        do, q, k, v, o, lse, scale=None if scale is None else float(scale), causal=bool(causal),
-        causal_align=causal_align, window_left=int(left), window_right=int(right), softcap=float(softcap),
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, correct=bool(correct), deterministic=bool(deterministic))
+    kwargs = dict(scale=None if scale is None else float(scale), causal=bool(causal), causal_align=causal_align,
+                  window_left=int(left), window_right=int(right), softcap=float(softcap),
+                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k, correct=bool(correct), deterministic=bool(deterministic))
+    if sink is None:
+        return torch.ops.gproj.attention_backward(do, q, k, v, o, lse, **kwargs)
+    return torch.ops.gproj.attention_backward_sink(do, q, k, v, o, lse, sink, **kwargs)

@@ -23,15 +23,19 @@ measurement.
 every fused backward does (FA's preprocess). Recomputing it as Σ_j P_ij dP_ij would need a whole extra pass
 over the keys before the dq pass. The saved-output D carries a rounding error that is a multiple of p_i
 per row (the "forward channel"); the projection removes exactly such multiples, so after GProj it costs
-nothing — this is why the cheap form is safe here and is not safe in an uncorrected kernel.
+nothing — this is why the cheap form is safe here and is not safe in an uncorrected kernel. (With a sink the
+target P_sink·D carries the same error: P_sink·(D_saved − D) stays in the row sum, one rounding of O relative
+to the target itself.)
 
 **Structure.** Three launches (``triton_kernels.py``): a preprocess (D and a base-2 LSE, -inf rows made
 +inf so that fully masked rows get exactly zero gradients), a dQ-major kernel (dq, and λ written to an fp32
 (B·H·S) scratch; the row sums ρ, m are dots with a one-hot matrix so they run on the tensor cores), and a
-KV-major kernel (dk, dv, reading λ). Extra memory: three fp32 (B·H·Sq) buffers (D, LSE, λ) — never O(S²).
+KV-major kernel (dk, dv, reading λ). Extra memory: three fp32 (B·H·Sq) buffers (D, LSE, λ; a fourth, T, with a
+sink) — never O(S²).
 
-**Features.** bf16 and fp16; any head dim up to 256 (padded to a power of two inside the kernel; 32, 64, 96,
-128, 256 are the supported sizes callers can count on); any lengths, Sq ≠ Sk; ``causal`` with
+**Features.** bf16 and fp16; every head dim 1..256 (padded to a power of two ≥ 16 inside the kernel; block
+configs are tuned per padded size in ``CONFIGS`` and ``block_config`` picks the nearest tuned one for a size
+without its own entry); any lengths, Sq ≠ Sk; ``causal`` with
 ``causal_align`` "top_left" (SDPA) or "bottom_right" (flash-attn); sliding ``window=(left, right)``; GQA/MQA
 (the KV-major program loops over the query heads of its group: dk/dv are reduced in registers, K/V are never
 copied); varlen (B = 1 with ``cu_seqlens_q/k``; ``max_seqlen_*`` avoid a device sync); arbitrary strides on
@@ -48,8 +52,17 @@ m = Σ r, w = low(r∘τ'), dq = α(tK − λ·wK), dk = α(tᵀQ − low(λw)�
 there is no exact gauge symmetry (tanh is not translation-equivariant): this reduces the rounding bias, it
 does not restore an invariance. tanh is computed from exp2 (no libdevice, so the interpreter runs it too).
 
+**Learnable sinks** (``sink``, shape (Hq,), fp32 or the input dtype; ``spec.py``). The LSE given must be the
+forward's, which includes the sink, so P = exp(S − LSE) already sums to 1 − P_sink over the keys and the exact
+row sum of dS is T_i = P_sink,i·D_i. The preprocess computes T (fp32, D from the saved output as above) and
+the dQ-major kernel uses λ = (ρ − T)/m; dk and dv need nothing else (they read λ). The sink's gradient
+dsink_h = −Σ_{b,i} T_i is a reduction of T in PyTorch over a fixed shape (deterministic; varlen rows past the
+last sequence excluded). The result is then (dq, dk, dv, dsink), dsink shaped and typed like ``sink``.
+Softcap with a sink is refused (``spec.SINK_SOFTCAP_REASON``).
+
 **Not supported** (``kernel_unsupported_reason`` says so; callers fall back to the FP32 tier): ``attn_mask``,
-dropout, fp32/fp64 inputs, head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, DESIGN.md §3).
+dropout, fp32/fp64 inputs, head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, DESIGN.md §3),
+a sink of the wrong shape, dtype or device, softcap with a sink.
 
 **CPU.** With ``GPROJ_TIER=triton`` or ``TRITON_INTERPRET=1`` in the environment, CPU fp16 tensors run the same
 kernels through Triton's interpreter (slow; meant for CI). The interpreted copy of the kernels is loaded
@@ -63,11 +76,13 @@ import math
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
-from .spec import MaskSpec, default_scale, normalize_lse, validate_cu_seqlens, validate_qkv
+from .spec import (MaskSpec, default_scale, normalize_lse, sink_unsupported_reason, validate_cu_seqlens,
+                   validate_qkv)
 
 try:  # pragma: no cover - import guard
     import triton  # noqa: F401
@@ -80,10 +95,16 @@ DK_FORMS = ("two_product", "fused")
 DEFAULT_DK_FORM = "fused"
 
 # Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels.
+# 16 was not swept: it takes the 32 config (the same tiles, half the registers per row).
 CONFIGS = {  # chosen by benchmarks/device_check.py --sweep on the H200 (BENCHMARKS.md, NOTES_kernel.md)
-    "dq": {32: (64, 32, 4, 3), 64: (64, 32, 4, 3), 128: (64, 64, 4, 2), 256: (64, 32, 8, 1)},
-    "dkdv": {32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 2), 256: (32, 64, 8, 1)},
+    "dq": {16: (64, 32, 4, 3), 32: (64, 32, 4, 3), 64: (64, 32, 4, 3), 128: (64, 64, 4, 2), 256: (64, 32, 8, 1)},
+    "dkdv": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 2),
+             256: (32, 64, 8, 1)},
 }
+#: smallest padded head dim the kernels use (tl.dot needs an inner dimension of at least 16)
+MIN_BLOCK_D = 16
+#: largest head dim the kernels take
+MAX_HEAD_DIM = 256
 _INTERP_BLOCK = 16
 #: tests and benchmarks set this to fill dense outputs with NaN before the launch (checks every element is written)
 _POISON_OUTPUTS = False
@@ -149,12 +170,29 @@ def _interpreter_patch():
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, 1 << (head_dim - 1).bit_length())
+    return max(MIN_BLOCK_D, 1 << (head_dim - 1).bit_length())
+
+
+def block_config(kind: str, block_d: int) -> Tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel ``kind`` ("dq" | "dkdv") for a padded head dim.
+
+    Its own entry of ``CONFIGS`` when there is one; otherwise the nearest tuned config by the rule "the
+    smallest tuned block_d above, else the largest tuned": tiles sized for a wider head need at least the
+    registers and shared memory this one does, so they fit; never a KeyError."""
+    table = CONFIGS[kind]
+    if block_d in table:
+        return table[block_d]
+    wider = [d for d in table if d > block_d]
+    return table[min(wider)] if wider else table[max(table)]
 
 
 def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
-                              attn_mask=None, softcap: float = 0.0, **_ignored) -> Optional[str]:
-    """None when ``gproj_backward`` handles these inputs; otherwise a short reason for the fallback log."""
+                              attn_mask=None, softcap: float = 0.0, sink=None, **_ignored) -> Optional[str]:
+    """None when ``gproj_backward`` handles these inputs; otherwise a short reason for the fallback log.
+
+    The single predicate of the kernel tier: every head dim 1..256, bf16/fp16, CUDA (or CPU fp16 under the
+    interpreter), and a ``sink`` (if any) of shape (Hq,), fp32 or the input dtype, on q's device, without a
+    softcap."""
     if not _HAS_TRITON:
         return "no triton"
     if attn_mask is not None:
@@ -168,10 +206,13 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "not 4-D"
     d = q.shape[-1]
-    if d > 256 or k.shape[-1] != d or v.shape[-1] != d:
-        return f"head_dim={d}" if d > 256 else "head dims differ"
+    if d > MAX_HEAD_DIM or k.shape[-1] != d or v.shape[-1] != d:
+        return f"head_dim={d}" if d > MAX_HEAD_DIM else "head dims differ"
     if d < 1:
         return f"head_dim={d}"
+    sink_reason = sink_unsupported_reason(sink, q, softcap=float(softcap))
+    if sink_reason is not None:
+        return sink_reason
     if q.device.type == "cuda":
         return None
     if q.device.type == "cpu":
@@ -183,28 +224,60 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return f"device={q.device.type}"
 
 
+@dataclass
+class _Launch:
+    """One backward's launches: ``window`` is (left, right) around the diagonal (causal: right = 0),
+    ``n_problems`` counts batch entries or varlen sequences, configs are (BLOCK_M, BLOCK_N, warps, stages)."""
+    do: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    sink: Optional[torch.Tensor]
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    varlen: bool
+    n_problems: int
+    max_q: int
+    max_k: int
+    window: Tuple[int, int]
+    bottom_right: bool
+    alpha: float
+    softcap: float
+    correct: bool
+    fused: bool
+    cfg_dq: Tuple[int, int, int, int]
+    cfg_dkdv: Tuple[int, int, int, int]
+
+
 def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
                    causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                    cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
                    max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                    correct: bool = True, deterministic: bool = False, dk_form: Optional[str] = None,
-                   _config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   _config: Optional[dict] = None, sink: Optional[torch.Tensor] = None):
     """GProj backward of attention: (dq, dk, dv) in the input dtype. See the module docstring.
 
     Shapes follow ``spec.py``: q, o, do (B, Hq, Sq, D); k, v (B, Hkv, Sk, D); any strides; lse the
     forward's natural-log LSE in any layout ``spec.normalize_lse`` reads (normally (B, Hq, Sq) fp32).
     ``dk_form`` ("two_product" | "fused") picks the dk contraction (default ``DEFAULT_DK_FORM``).
+    ``sink`` (Hq,): the learnable sink logits the forward's LSE includes; the result is then (dq, dk, dv,
+    dsink), dsink shaped and typed like ``sink`` (module docstring).
     Raises ValueError when ``kernel_unsupported_reason`` is not None.
     """
     mask = MaskSpec(causal=bool(causal), causal_align=causal_align, window=tuple(int(w) for w in window),
                     softcap=float(softcap))
-    reason = kernel_unsupported_reason(q, k, v, softcap=softcap)
+    reason = kernel_unsupported_reason(q, k, v, softcap=softcap, sink=sink)
     if reason is not None:
         raise ValueError(f"gproj_backward cannot run these inputs: {reason}")
     validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
     B, H, SQ, D = q.shape
-    HKV, SK = k.shape[1], k.shape[2]
+    SK = k.shape[2]
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     if cu_seqlens_q is not None and B != 1:
@@ -218,10 +291,8 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         o = o.to(q.dtype)
         do = do.to(q.dtype)
     lse = normalize_lse(lse, B, H, SQ)
-    alpha = default_scale(D, scale)
 
     interpret = q.device.type != "cuda"
-    km = _kernels(interpret)
     varlen = cu_seqlens_q is not None
     if varlen:
         cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
@@ -231,9 +302,7 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             max_seqlen_q = int((cu_q[1:] - cu_q[:-1]).max().item()) if nseq > 0 else 0
         if max_seqlen_k is None:
             max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max().item()) if nseq > 0 else 0
-        dq = torch.zeros_like(q)
-        dk = torch.zeros_like(k)
-        dv = torch.zeros_like(v)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         Z, MQ, MK = nseq, max_seqlen_q, max_seqlen_k
     else:
         cu_q = cu_k = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -243,76 +312,97 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 x.fill_(float("nan"))
         Z, MQ, MK = B, SQ, SK
     if Z == 0:
-        return dq, dk, dv
+        return (dq, dk, dv) if sink is None else (dq, dk, dv, torch.zeros_like(sink))
 
     # window form of the mask: key j visible from query i iff diag-left <= j <= diag+right, diag = i + shift
     left, right = mask.window
     if mask.causal:
         right = 0
-    has_l, has_r = left >= 0, right >= 0
-    bottom_right = mask.causal_align == "bottom_right"
-
     BD = _block_d(D)
     cfg = dict(_config or {})
     if interpret:
-        bm_q = bn_q = bm_k = bn_k = _INTERP_BLOCK
-        w_q = w_k = 4
-        st_q = st_k = 1
+        cfg_dq = cfg_dkdv = (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1)
     else:
-        bm_q, bn_q, w_q, st_q = cfg.get("dq") or CONFIGS["dq"][BD]
-        bm_k, bn_k, w_k, st_k = cfg.get("dkdv") or CONFIGS["dkdv"][BD]
+        cfg_dq = cfg.get("dq") or block_config("dq", BD)
+        cfg_dkdv = cfg.get("dkdv") or block_config("dkdv", BD)
 
+    job = _Launch(
+        do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv, sink=sink, cu_q=cu_q, cu_k=cu_k, varlen=varlen,
+        n_problems=Z, max_q=MQ, max_k=MK, window=(left, right), bottom_right=mask.causal_align == "bottom_right",
+        alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(correct),
+        fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv)
+    with (_interpreter_patch() if interpret else contextlib.nullcontext()):
+        target = _launch(_kernels(interpret), interpret, job)
+    if sink is None:
+        return dq, dk, dv
+    return dq, dk, dv, _sink_gradient(target.view(B, H, SQ), job)
+
+
+def _sink_gradient(target: torch.Tensor, job: _Launch) -> torch.Tensor:
+    """dsink_h = −Σ_{b,i} T_i over the rows of every problem (varlen: rows past the last sequence excluded),
+    a fixed-shape PyTorch reduction (deterministic), in the sink's dtype."""
+    if job.varlen:
+        rows = torch.arange(target.shape[-1], device=target.device)
+        inside = (rows < job.cu_q[-1]).view(1, 1, -1)  # no sync: cu_q stays on the device
+        target = torch.where(inside, target, torch.zeros_like(target))
+    return (-target.sum(dim=(0, 2))).to(job.sink.dtype)
+
+
+def _launch(km, interpret: bool, job: _Launch) -> torch.Tensor:
+    """Run the launches; returns the fp32 (B·H, SQ) buffer of T = P_sink·D (D itself without a sink).
+
+    Scratch: fp32 (B·H, SQ) D, base-2 LSE (+inf on -inf rows), λ and T; D's buffer stands in as a placeholder
+    pointer for λ when uncorrected, and for T and the sink without a sink."""
+    q, k, v, do, o, lse = job.q, job.k, job.v, job.do, job.o, job.lse
+    B, H, SQ, _ = q.shape
+    HKV, SK = k.shape[1], k.shape[2]
+    D = q.shape[-1]
+    BD = _block_d(D)
+    bm_q, bn_q, w_q, st_q = job.cfg_dq
+    bm_k, bn_k, w_k, st_k = job.cfg_dkdv
+    left, right = job.window
     delta = torch.empty((B * H, SQ), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    lam = torch.empty_like(delta) if correct else delta  # placeholder pointer when uncorrected
-
-    with (_interpreter_patch() if interpret else contextlib.nullcontext()):
-        _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu_q, cu_k, varlen, Z, MQ, MK,
-                H, HKV, SQ, SK, D, BD, left, right, has_l, has_r, bottom_right, alpha, float(mask.softcap),
-                bool(correct), dk_form == "fused", (bm_q, bn_q, w_q, st_q), (bm_k, bn_k, w_k, st_k))
-    return dq, dk, dv
-
-
-def _launch(km, interpret, do, q, k, v, o, lse, dq, dk, dv, delta, lse2, lam, cu_q, cu_k, varlen, Z, MQ, MK,
-            H, HKV, SQ, SK, D, BD, left, right, has_l, has_r, bottom_right, alpha, softcap, correct, fused, cq,
-            ck):
-    bm_q, bn_q, w_q, st_q = cq
-    bm_k, bn_k, w_k, st_k = ck
-    B = q.shape[0]
-    even_d = BD == D
+    lam = torch.empty_like(delta) if job.correct else delta
+    has_sink = job.sink is not None
+    target = torch.empty_like(delta) if has_sink else delta
+    sink = job.sink if has_sink else delta
+    sink_stride = job.sink.stride(0) if has_sink else 0
     BS = 16 if interpret else 64
     if "pre" in _RUN:
         km._preprocess[(triton.cdiv(SQ, BS), B * H)](
-            o, do, lse, delta, lse2,
-            *o.stride(), *do.stride(), *lse.stride(),
-            H, SQ, D, BLOCK_S=BS, BLOCK_D=BD, num_warps=4)
+            o, do, lse, delta, lse2, sink, target,
+            *o.stride(), *do.stride(), *lse.stride(), sink_stride,
+            H, SQ, D, HAS_SINK=has_sink, BLOCK_S=BS, BLOCK_D=BD, num_warps=4)
 
     group = H // HKV
+    alpha, softcap = job.alpha, job.softcap
     cap = (alpha / softcap, softcap * math.log2(math.e)) if softcap > 0 else (1.0, 1.0)
-    common = dict(SOFTCAP=softcap > 0, BOTTOM_RIGHT=bottom_right, HAS_L=has_l, HAS_R=has_r, VARLEN=varlen,
-                  CORRECT=correct, EVEN_D=even_d)
-    if MQ == 0 or MK == 0:
-        return  # every sequence empty on one side: gradients are the zeros already there
+    common = dict(SOFTCAP=softcap > 0, BOTTOM_RIGHT=job.bottom_right, HAS_L=left >= 0, HAS_R=right >= 0,
+                  VARLEN=job.varlen, CORRECT=job.correct, EVEN_D=BD == D)
+    if job.max_q == 0 or job.max_k == 0:
+        return target  # every sequence empty on one side: gradients are the zeros already there
     kq = kk = None
     if "dq" in _RUN:
-        kq = km._bwd_dq[(triton.cdiv(MQ, bm_q), H, Z)](
-            q, k, v, do, dq, delta, lse2, lam, cu_q, cu_k,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-            H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap,
-            EVEN_M=(not varlen) and SQ % bm_q == 0, EVEN_N=(not varlen) and SK % bn_q == 0,
+        kq = km._bwd_dq[(triton.cdiv(job.max_q, bm_q), H, job.n_problems)](
+            q, k, v, do, job.dq, delta, lse2, lam, target, job.cu_q, job.cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *job.dq.stride(),
+            H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap, HAS_SINK=has_sink,
+            EVEN_M=(not job.varlen) and SQ % bm_q == 0, EVEN_N=(not job.varlen) and SK % bn_q == 0,
             BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=BD, num_warps=w_q, num_stages=st_q, **common)
     if "dkdv" in _RUN:
-        kk = km._bwd_dkdv[(triton.cdiv(MK, bn_k), HKV, Z)](
-            q, k, v, do, dk, dv, delta, lse2, lam, cu_q, cu_k,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        kk = km._bwd_dkdv[(triton.cdiv(job.max_k, bn_k), HKV, job.n_problems)](
+            q, k, v, do, job.dk, job.dv, delta, lse2, lam, job.cu_q, job.cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *job.dk.stride(), *job.dv.stride(),
             H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap,
-            FUSED=fused,
-            EVEN_M=(not varlen) and SQ % bm_k == 0, EVEN_N=(not varlen) and SK % bn_k == 0,
+            FUSED=job.fused,
+            EVEN_M=(not job.varlen) and SQ % bm_k == 0, EVEN_N=(not job.varlen) and SK % bn_k == 0,
             BLOCK_M=bm_k, BLOCK_N=bn_k, BLOCK_D=BD, num_warps=w_k, num_stages=st_k, **common)
     if not interpret:
         LAST_KERNELS.clear()
         for name, kern in (("dq", kq), ("dkdv", kk)):
             LAST_KERNELS[name] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None))
+    return target
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = None,

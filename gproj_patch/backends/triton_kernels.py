@@ -4,9 +4,12 @@ Three launches:
 
 * ``_preprocess``: D_i = rowsum(dO_i ∘ O_i) from the saved low-precision output (fp32 accumulation), and the
   LSE rewritten in base 2 with -inf rows turned into +inf (so every P of a fully masked row is exactly 0).
+  With a learnable sink (``HAS_SINK``) also the projection target T_i = P_sink,i·D_i, P_sink = 2^(s_h·log2 e −
+  LSE2_i) (0 on -inf rows): the exact row sum of dS, and −T_i is row i's share of the sink's gradient.
 * ``_bwd_dq``: dQ-major. One program per (query block, query head, batch or sequence). Accumulates
   t·K (t = low(dS)), r·K (r = low(P)) and the row sums ρ = Σt, m = Σr (on the tensor cores, as a dot with a
-  one-hot column), then writes dq = α(tK − λ·rK) and λ = ρ/m to an fp32 (B·H·S) scratch.
+  one-hot column), then writes dq = α(tK − λ·rK) and λ = (ρ − T)/m (T = 0 without a sink) to an fp32
+  (B·H·S) scratch.
 * ``_bwd_dkdv``: KV-major. One program per (key block, KV head, batch or sequence); it loops over the query
   heads of its GQA group, so dk/dv are reduced over the group inside one program (no atomics, no copy of K/V,
   deterministic). dv = Σ r·dO; dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ
@@ -75,12 +78,12 @@ def _store_tile(P, x, s_s, s_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _preprocess(O, DO, LSE, Delta, LSE2,
+def _preprocess(O, DO, LSE, Delta, LSE2, SINK, TGT,
                 so_b, so_h, so_s, so_d,
                 sdo_b, sdo_h, sdo_s, sdo_d,
-                sl_b, sl_h, sl_s,
+                sl_b, sl_h, sl_s, ssink,
                 H, S, HEAD_DIM,
-                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -99,6 +102,10 @@ def _preprocess(O, DO, LSE, Delta, LSE2,
     out = pid_bh.to(tl.int64) * S + offs_s
     tl.store(Delta + out, delta, mask=ms)
     tl.store(LSE2 + out, lse2, mask=ms)
+    if HAS_SINK:
+        sink2 = tl.load(SINK + h * ssink).to(tl.float32) * 1.4426950408889634
+        psink = tl.math.exp2(sink2 - lse2)  # lse2 = +inf (row saw nothing, not even the sink): 0
+        tl.store(TGT + out, psink * delta, mask=ms)
 
 
 @triton.jit
@@ -163,7 +170,7 @@ def _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, CU_Q, CU_K,
+def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
             sq_b, sq_h, sq_s, sq_d,
             sk_b, sk_h, sk_s, sk_d,
             sv_b, sv_h, sv_s, sv_d,
@@ -171,7 +178,7 @@ def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, CU_Q, CU_K,
             sdq_b, sdq_h, sdq_s, sdq_d,
             H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2, cap_in, cap_out,
             SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
-            VARLEN: tl.constexpr, CORRECT: tl.constexpr,
+            VARLEN: tl.constexpr, CORRECT: tl.constexpr, HAS_SINK: tl.constexpr,
             EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) blocks first
@@ -251,6 +258,11 @@ def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, CU_Q, CU_K,
         if CORRECT:
             rho = _rowsum(tl.where(col[None, :] == 0, sacc, 0.0))
             msum = _rowsum(tl.where(col[None, :] == 1, sacc, 0.0))
+            if HAS_SINK:  # the exact row sum of dS is the target T = P_sink·D, not 0
+                if EVEN_M:
+                    rho = rho - tl.load(TGT + row)
+                else:
+                    rho = rho - tl.load(TGT + row, mask=offs_m < q_len, other=0.0)
             lam = tl.where(msum > 0.0, rho / tl.where(msum > 0.0, msum, 1.0), 0.0)
             dq = (acc - lam[:, None] * racc) * scale
             if EVEN_M:
