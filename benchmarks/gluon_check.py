@@ -121,18 +121,20 @@ def check_case(name, seed):
     return row
 
 
-def run_suite(seed):
+def run_suite(seed, cases=None):
     rows = []
     gluon_bwd._POISON_OUTPUTS = True
     try:
         for i, name in enumerate(SUITE_CASES + list(ODD_CASES)):
+            if cases is not None and name not in cases:
+                continue
             try:
                 row = check_case(name, seed + i)
             except Exception as e:  # keep going: one failing case must not hide the others
                 row = dict(case=name, error=f"{type(e).__name__}: {e}"[:500])
             rows.append(row)
             log(json.dumps(row))
-        for name in UNCOVERED:
+        for name in UNCOVERED if cases is None else [c for c in UNCOVERED if c in cases]:
             inp, kw, _ = dc.make_case(name, seed=seed)
             reason = gluon_supported_reason(inp["q"], inp["k"], inp["v"], do=inp["do"], **kw)
             rows.append(dict(case=name, reason=reason, expect_reason=True))
@@ -251,21 +253,28 @@ def main():
     ap.add_argument("--skip-suite", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    ap.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES (default: all)")
+    ap.add_argument("--always-mask", action="store_true", help="mask every tile (gluon_bwd._ALWAYS_MASK)")
+    ap.add_argument("--tag", default="", help="suffix of the log/json names (several calls in one run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "gluon_out"))
     args = ap.parse_args()
+    gluon_bwd._ALWAYS_MASK = args.always_mask
     os.makedirs(args.out, exist_ok=True)
     import triton
     seed = args.seed if args.seed is not None else int(time.time()) % (2 ** 31 - 100)
-    log(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()} seed {seed}")
+    log(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()} seed {seed} "
+        f"always_mask {args.always_mask} cases {args.cases} shapes {args.shapes}")
     result = dict(seed=seed)
     if not args.skip_suite:
-        rows = run_suite(seed)
+        rows = run_suite(seed, None if args.cases is None else args.cases.split(","))
         result["suite"] = rows
         result["suite_bad"] = suite_ok(rows)
         log("suite problems:", result["suite_bad"] or "none")
     timing = []
     if not args.skip_timing:
-        for shp in SHAPES:
+        picked = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+        for shp in picked:
             try:
                 r = time_shape(*shp, sweep=args.sweep)
             except Exception as e:
@@ -274,7 +283,7 @@ def main():
             timing.append(r)
             log(json.dumps(r))
         result["timing"] = timing
-    with open(os.path.join(args.out, "gluon_check.json"), "w") as f:
+    with open(os.path.join(args.out, f"gluon_check{args.tag}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     # short tables last
     if not args.skip_suite:
@@ -300,9 +309,10 @@ def main():
                 f"{r['gluon_dkdv']:.3f} | {r['tl']:.3f} | {r['cudnn']:.3f} | ×{r['gluon'] / r['cudnn']:.2f} | "
                 f"×{r['tl'] / r['cudnn']:.2f} | {r['tflops_std_gluon']:.0f}/{r['tflops_std_cudnn']:.0f} | "
                 f"{r['tflops_actual_gluon']:.0f} |")
-    with open(os.path.join(args.out, "gluon_check.log"), "w") as f:
+    with open(os.path.join(args.out, f"gluon_check{args.tag}.log"), "w") as f:
         f.write("\n".join(LOG) + "\n")
+    return 1 if result.get("suite_bad") else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -43,6 +43,8 @@ GLUON_CAPABILITY = (9, 0)
 TMA_ALIGN_BYTES = 16
 #: tests and benchmarks set this to fill dense outputs with NaN before the launch (checks every element is written)
 _POISON_OUTPUTS = False
+#: apply the mask on every tile instead of only on diagonal/ragged tiles (a debugging fallback; slower)
+_ALWAYS_MASK = False
 #: launches to run (benchmarks time the kernels one at a time by removing the others; results then invalid)
 _RUN = ("pre", "dq", "dkdv")
 #: the preprocess launch's rows per program
@@ -201,7 +203,7 @@ def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     shift = SK - SQ if (causal and causal_align == "bottom_right") else 0
     group = H // HKV
     common = dict(H=H, GROUP=group, SQ=SQ, SK=SK, shift=shift, scale=alpha, scale_log2=alpha * math.log2(math.e),
-                  CAUSAL=bool(causal))
+                  CAUSAL=bool(causal), ALWAYS_MASK=bool(_ALWAYS_MASK))
 
     kq = kk = None
     if "dq" in _RUN:

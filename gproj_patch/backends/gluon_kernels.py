@@ -116,8 +116,18 @@ def _preprocess_kernel(O, DO, LSE, Delta, LSE2,
 
 
 @gluon.jit
-def _dq_tile(acc, racc, sacc_t, sacc_r, q_s, do_s, k_s, v_s, e_s, lse2, delta, offs_m, start_n, SK, shift,
-             scale_log2, CAUSAL: gl.constexpr, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
+def _mask_dq(p, offs_m, start_n, SK, shift, CAUSAL: gl.constexpr):
+    """Zero P of keys past the end and, under causal, of keys right of the diagonal (j > i + shift)."""
+    offs_n = start_n + gl.arange(0, p.shape[1], layout=gl.SliceLayout(0, p.type.layout))
+    vis = offs_n[None, :] < SK
+    if CAUSAL:
+        vis = vis & (offs_n[None, :] <= offs_m[:, None] + shift)
+    return gl.where(vis, p, 0.0)
+
+
+@gluon.jit
+def _dq_tile(acc, racc, sacc_t, sacc_r, q_s, do_s, k_s, v_s, e_s, lse2, delta, offs_m, start_n, masked, SK, shift,
+             scale_log2, CAUSAL: gl.constexpr, ALWAYS_MASK: gl.constexpr, BLOCK_N: gl.constexpr,
              num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_s.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
@@ -132,12 +142,12 @@ def _dq_tile(acc, racc, sacc_t, sacc_r, q_s, do_s, k_s, v_s, e_s, lse2, delta, o
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
 
     p = gl.exp2(s * scale_log2 - lse2[:, None])
-    if MASKED:
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        vis = offs_n[None, :] < SK
-        if CAUSAL:
-            vis = vis & (offs_n[None, :] <= offs_m[:, None] + shift)
-        p = gl.where(vis, p, 0.0)
+    # masking is a runtime branch around elementwise code only (never around a wgmma)
+    if ALWAYS_MASK:
+        p = _mask_dq(p, offs_m, start_n, SK, shift, CAUSAL)
+    else:
+        if masked:
+            p = _mask_dq(p, offs_m, start_n, SK, shift, CAUSAL)
     t = (p * (dp - delta[:, None])).to(dtype)
     r = p.to(dtype)
 
@@ -158,7 +168,8 @@ def _dq_tile(acc, racc, sacc_t, sacc_r, q_s, do_s, k_s, v_s, e_s, lse2, delta, o
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, Delta, LSE2, LAM,
                sdq_b, sdq_h, sdq_s,
                H, GROUP, SQ, SK, shift, scale, scale_log2,
-               CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+               CAUSAL: gl.constexpr, ALWAYS_MASK: gl.constexpr, NUM_STAGES: gl.constexpr,
+               num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -217,14 +228,10 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, Delta, LSE2, LAM,
         if nxt < n_tiles:
             _issue_pair(k_desc, v_desc, kv_bars, k_s, v_s, nxt % NUM_STAGES, b, hk, nxt * BLOCK_N)
         start_n = j * BLOCK_N
-        if start_n < full_hi:
-            acc, racc, sacc_t, sacc_r = _dq_tile(acc, racc, sacc_t, sacc_r, q_tile, do_tile, k_s.index(stage),
-                                                 v_s.index(stage), e_s, lse2, delta, offs_m, start_n, SK, shift,
-                                                 scale_log2, CAUSAL, False, BLOCK_N, num_warps)
-        else:
-            acc, racc, sacc_t, sacc_r = _dq_tile(acc, racc, sacc_t, sacc_r, q_tile, do_tile, k_s.index(stage),
-                                                 v_s.index(stage), e_s, lse2, delta, offs_m, start_n, SK, shift,
-                                                 scale_log2, CAUSAL, True, BLOCK_N, num_warps)
+        acc, racc, sacc_t, sacc_r = _dq_tile(acc, racc, sacc_t, sacc_r, q_tile, do_tile, k_s.index(stage),
+                                             v_s.index(stage), e_s, lse2, delta, offs_m, start_n,
+                                             start_n >= full_hi, SK, shift, scale_log2, CAUSAL, ALWAYS_MASK,
+                                             BLOCK_N, num_warps)
 
     _release(q_bar, kv_bars, NUM_STAGES)
 
@@ -243,8 +250,8 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, Delta, LSE2, LAM,
 
 
 @gluon.jit
-def _dkdv_tile(dk, dv, k_s, v_s, q_s, do_s, LSE2, Delta, LAM, row0, offs_n, start_m, SQ, shift, scale_log2,
-               CAUSAL: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+def _dkdv_tile(dk, dv, k_s, v_s, q_s, do_s, LSE2, Delta, LAM, row0, offs_n, start_m, masked, SQ, shift,
+               scale_log2, ALWAYS_MASK: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = k_s.shape[0]
     st_layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_M, num_warps)
     acc_layout: gl.constexpr = dk.type.layout
@@ -262,8 +269,11 @@ def _dkdv_tile(dk, dv, k_s, v_s, q_s, do_s, LSE2, Delta, LAM, row0, offs_n, star
     st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
 
     pt = gl.exp2(st * scale_log2 - lse2[None, :])
-    if MASKED:
+    if ALWAYS_MASK:  # causal diagonal tiles; a runtime branch around elementwise code only
         pt = gl.where(offs_n[:, None] <= offs_m[None, :] + shift, pt, 0.0)
+    else:
+        if masked:
+            pt = gl.where(offs_n[:, None] <= offs_m[None, :] + shift, pt, 0.0)
     rt = gl.convert_layout(pt.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
     gt = (pt * (dpt - delta[None, :] - lam[None, :])).to(dtype)  # t − λr before any rounding, rounded once
     gt = gl.convert_layout(gt, gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
@@ -277,7 +287,8 @@ def _dkdv_tile(dk, dv, k_s, v_s, q_s, do_s, LSE2, Delta, LAM, row0, offs_n, star
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, Delta, LSE2, LAM,
                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                  H, GROUP, SQ, SK, shift, scale, scale_log2,
-                 CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                 CAUSAL: gl.constexpr, ALWAYS_MASK: gl.constexpr, NUM_STAGES: gl.constexpr,
+               num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -328,12 +339,9 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, Delta, LSE2, LAM,
         h = hk * GROUP + j // m_tiles
         start_m = lo + (j % m_tiles) * BLOCK_M
         row0 = (b * H + h).to(gl.int64) * SQ
-        if start_m >= full_lo:
-            dk, dv = _dkdv_tile(dk, dv, k_tile, v_tile, q_s.index(stage), do_s.index(stage), LSE2, Delta, LAM,
-                                row0, offs_n, start_m, SQ, shift, scale_log2, CAUSAL, False, BLOCK_M, num_warps)
-        else:
-            dk, dv = _dkdv_tile(dk, dv, k_tile, v_tile, q_s.index(stage), do_s.index(stage), LSE2, Delta, LAM,
-                                row0, offs_n, start_m, SQ, shift, scale_log2, CAUSAL, True, BLOCK_M, num_warps)
+        dk, dv = _dkdv_tile(dk, dv, k_tile, v_tile, q_s.index(stage), do_s.index(stage), LSE2, Delta, LAM, row0,
+                            offs_n, start_m, start_m < full_lo, SQ, shift, scale_log2, ALWAYS_MASK,
+                            BLOCK_M, num_warps)
 
     _release(kv_bar, q_bars, NUM_STAGES)
 
