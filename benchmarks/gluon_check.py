@@ -311,6 +311,8 @@ def main():
                 f"{r['tflops_actual_gluon']:.0f} |")
     with open(os.path.join(args.out, f"gluon_check{args.tag}.log"), "w") as f:
         f.write("\n".join(LOG) + "\n")
+    if any("error" in r for r in result.get("suite", [])):
+        return 2  # a case raised (e.g. a crashed launch): the caller may retry with --always-mask
     return 1 if result.get("suite_bad") else 0
 
 
