@@ -69,6 +69,9 @@ CONFIGS = {
     128: {"dq": KernelConfig(128, 64, 8, 2), "dkdv": KernelConfig(32, 128, 8, 2)},
 }
 
+#: the dq kernel's key-tile width checked on the device; block_n = 128 (D=64) crashed there (run 3), not understood
+DQ_BLOCK_N_VALIDATED = 64
+
 #: registers / spills of the last launch (for the benchmark's notes)
 LAST_KERNELS: dict = {}
 
@@ -200,6 +203,9 @@ def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     cfg = dict(CONFIGS[D])
     cfg.update(_config or {})
     cq, ck = cfg["dq"], cfg["dkdv"]
+    if cq.block_n != DQ_BLOCK_N_VALIDATED:
+        raise ValueError(f"dq block_n={cq.block_n}: only {DQ_BLOCK_N_VALIDATED} is validated (128 hit an illegal "
+                         "address on the H200, benchmarks/NOTES_gluon.md)")
     shift = SK - SQ if (causal and causal_align == "bottom_right") else 0
     group = H // HKV
     common = dict(H=H, GROUP=group, SQ=SQ, SK=SK, shift=shift, scale=alpha, scale_log2=alpha * math.log2(math.e),
