@@ -15,12 +15,23 @@ import threading
 from typing import Dict, Optional
 
 from . import config as _config
+from . import state as _state_module
 from . import telemetry as _telemetry
+from .import_hooks import call_after_import as _call_after_import
 from .layer_context import current_layer, layer_scope, new_step
 
 __version__ = "0.1.0"
 __all__ = ["enable", "disable", "is_enabled", "stats", "reset_stats", "attention", "Handle", "current_layer",
            "layer_scope", "new_step"]
+
+def _register_kernel_op() -> None:
+    """Define ``torch.ops.gproj.attention_backward`` (the GProj kernel as an op). This package never imports
+    torch itself at import time (the GPROJ_PATCH=1 start-up hook imports it in every process): the op is
+    defined now if torch is loaded, else right after torch is imported."""
+    from .backends import ops  # noqa: F401
+
+
+_call_after_import("torch", _register_kernel_op)
 
 _lock = threading.RLock()
 _state: Optional[dict] = None  # {"config", "installed", "owner", "log_level"} while enabled
@@ -59,7 +70,8 @@ class Handle:
 
 def enable(mode: Optional[str] = None, targets=None, **options) -> Handle:
     """Turn the patch on. Arguments override the environment (GPROJ_MODE, GPROJ_TARGETS, GPROJ_TIER,
-    GPROJ_LOG_LEVEL, GPROJ_DETERMINISTIC), which overrides the defaults (mode "gproj", every target).
+    GPROJ_LOG_LEVEL and the policy's GPROJ_* variables, ``config.py``), which overrides the defaults (mode
+    "gproj", every target). Every option is validated here (ValueError naming it).
 
     Calling it again while enabled changes nothing and returns a non-owning handle.
     """
@@ -84,6 +96,9 @@ def enable(mode: Optional[str] = None, targets=None, **options) -> Handle:
             raise
         previous_level = _logger.level
         explicit = "log_level" in options or _config.ENV["log_level"] in os.environ
+        for var, why in _config.OBSOLETE_ENV.items():
+            if var in os.environ:
+                _logger.warning("%s: %s", var, why)
         if explicit or previous_level == logging.NOTSET:  # keep a level the application set itself
             _logger.setLevel(cfg.log_level)
         _config._set_active(cfg)
@@ -111,19 +126,44 @@ def is_enabled() -> bool:
 
 
 def stats() -> dict:
-    """Backward calls per tier ("gproj", "fp32", "original"), forward calls through the hooks, and every fallback
-    reason with its count."""
-    return _telemetry.stats()
+    """Backward calls per tier that ran ("gproj", "fp32", "original"; each hooked backward counted once),
+    forward calls through the hooks, every fallback reason with its count, and — in ``auto``/``audit`` — each
+    layer's tier and last detector summary under ``"layers"``."""
+    from . import policy
+    out = _telemetry.stats()
+    out["layers"] = {name: {"tier": rec["tier"], "policy_tier": rec["policy_tier"], "stats": rec["stats"]}
+                     for name, rec in policy.stats().items()}
+    return out
 
 
 def reset_stats() -> None:
-    _telemetry.reset()
+    """Clear the whole runtime state: counters, fallback reasons, steps, layer records (``state.reset``)."""
+    _state_module.reset()
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``torch.nn.functional.scaled_dot_product_attention`` with the corrected backward, whether or not
     ``enable()`` was called (options: the enabled ones, else the environment's GPROJ_* and the defaults).
     Same forward output as SDPA."""
-    from .autograd import sdpa
+    import torch.nn.functional as F
+    from torch.overrides import has_torch_function
+
+    from .ops.sdpa import sdpa
+    if has_torch_function((q, k, v) if attn_mask is None else (q, k, v, attn_mask)):
+        # a subclass or mode that handles SDPA (CausalBias, ...) gets the call as an SDPA call
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa, cfg=_config.active() or _config.resolve())
+                enable_gqa=enable_gqa, cfg=_config.active() or _default_config())
+
+
+_env_config = {}
+
+
+def _default_config() -> "_config.Config":
+    """The environment's options (parsed once per distinct environment) for ``attention()`` without enable()."""
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("GPROJ_")))
+    cfg = _env_config.get(key)
+    if cfg is None:
+        cfg = _env_config[key] = _config.resolve()
+    return cfg

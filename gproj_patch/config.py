@@ -1,44 +1,50 @@
-"""Options of the patch and their environment variables.
+"""Options of the patch and of the ``auto``/``audit`` policy, with their environment variables.
 
-Precedence: keyword arguments of ``enable()`` > environment variables > defaults. Every value is checked;
-a bad value raises ``ValueError`` naming the option (or variable) and the accepted values.
+Precedence, per option: keyword argument of ``enable()`` (or ``GProjCallback``) > environment variable >
+default. Every value that is used is checked when ``resolve()`` runs — at ``enable()`` / callback construction,
+never at the first backward — and a bad one raises ``ValueError`` naming the option (or the variable) and the
+accepted values. An environment variable is read only for options not given as keywords, so a keyword wins
+even over an invalid environment value. Unknown keywords raise.
 
-| option          | variable               | values                                              | default |
-|-----------------|------------------------|-----------------------------------------------------|---------|
-| mode            | GPROJ_MODE             | gproj, fp32, off, auto, audit                       | gproj   |
-| targets         | GPROJ_TARGETS          | comma list of sdpa, flash_attn, transformers        | all     |
-| tier            | GPROJ_TIER             | auto (kernel where supported, else FP32 tier),      | auto    |
-|                 |                        | triton (kernel or error), fp32 (always FP32 tier)   |         |
-| log_level       | GPROJ_LOG_LEVEL        | DEBUG, INFO, WARNING, ERROR or an int               | WARNING |
-| deterministic   | GPROJ_DETERMINISTIC    | 0/1, true/false, yes/no, on/off                     | false   |
+| option              | variable                  | values                                           | default |
+|---------------------|---------------------------|--------------------------------------------------|---------|
+| mode                | GPROJ_MODE                | gproj, fp32, off, auto, audit                    | gproj   |
+| targets             | GPROJ_TARGETS             | non-empty comma list of sdpa, flash_attn,        | all     |
+|                     |                           | transformers                                     |         |
+| tier                | GPROJ_TIER                | auto (kernel where supported, else FP32 tier),   | auto    |
+|                     |                           | triton (kernel or error), fp32 (FP32 tier)       |         |
+| log_level           | GPROJ_LOG_LEVEL           | DEBUG, INFO, WARNING, ERROR or an int            | WARNING |
+| sample_every        | GPROJ_SAMPLE_EVERY        | int >= 1: detector sampling period in steps      | 20      |
+| gproj_enter / _exit | GPROJ_AUTO_ENTER / _EXIT  | predicted dq leak that moves a layer to / from   | 0.01 /  |
+|                     |                           | GProj (exit <= enter)                            | 0.005   |
+| fp32_enter / _exit  | GPROJ_FP32_ENTER / _EXIT  | predicted GProj dk error for the FP32 tier       | 0.10 / 0.05 |
+| sink_amplification  | GPROJ_SINK_AMPLIFICATION  | bool: scale the dq prediction by 1/(1 − p_sink)  | true    |
+| max_amplification   | —                         | number >= 1: cap of that factor                  | 100     |
+| max_rows            | GPROJ_DETECTOR_ROWS       | int >= 2: rows per (batch, head) the detector reads | 256  |
+| detector_graph      | GPROJ_DETECTOR_GRAPH      | bool: replay the detector as a CUDA graph        | true    |
+
+Booleans accept 1/0, true/false, yes/no, on/off. ``GPROJ_DETERMINISTIC`` (0.1) is gone: every tier is bitwise
+deterministic (no atomics), so the option changed nothing.
+
+This module imports nothing from the package (config is read by everyone).
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
-from dataclasses import dataclass, field, replace
-from typing import Mapping, Optional, Tuple
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 MODES = ("gproj", "fp32", "off", "auto", "audit")
+POLICY_MODES = ("auto", "audit")
 TARGETS = ("sdpa", "flash_attn", "transformers")
-TIERS = ("auto", "triton", "fp32")
+TIER_OPTIONS = ("auto", "triton", "fp32")
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
            "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-
-ENV = {"mode": "GPROJ_MODE", "targets": "GPROJ_TARGETS", "tier": "GPROJ_TIER", "log_level": "GPROJ_LOG_LEVEL",
-       "deterministic": "GPROJ_DETERMINISTIC"}
-
-
-@dataclass(frozen=True)
-class Config:
-    mode: str = "gproj"
-    targets: Tuple[str, ...] = TARGETS
-    tier: str = "auto"
-    log_level: int = logging.WARNING
-    deterministic: bool = False
-    extra: Tuple[Tuple[str, object], ...] = field(default=())  # options for other modules (policy), kept as given
+_FALSE = ("0", "false", "no", "off")
+_TARGET_ALIASES = {"flash-attn": "flash_attn", "flashattn": "flash_attn", "fa": "flash_attn"}
 
 
 def _choice(name: str, value, allowed) -> str:
@@ -56,10 +62,12 @@ def parse_targets(name: str, value) -> Tuple[str, ...]:
         except TypeError:
             raise ValueError(f"{name} must be a comma list or a sequence of {', '.join(TARGETS)}; got {value!r}") \
                 from None
-    items = ["flash_attn" if t in ("flash-attn", "flashattn", "fa") else t for t in items]
+    items = [_TARGET_ALIASES.get(t, t) for t in items]
     bad = [t for t in items if t not in TARGETS]
     if bad:
         raise ValueError(f"{name}: unknown target(s) {', '.join(map(repr, bad))}; known: {', '.join(TARGETS)}")
+    if not items:
+        raise ValueError(f"{name} is empty: name at least one of {', '.join(TARGETS)} (or do not enable the patch)")
     return tuple(dict.fromkeys(items))
 
 
@@ -84,58 +92,153 @@ def parse_bool(name: str, value) -> bool:
         return value.strip().lower() in _TRUE
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise ValueError(f"{name} must be a boolean (1/0, true/false, yes/no, on/off); got {value!r}")
+    raise ValueError(f"{name}={value!r}: expected a boolean (1/0, true/false, yes/no, on/off)")
 
 
-_PARSERS = {
-    "mode": lambda n, v: _choice(n, v, MODES),
-    "targets": parse_targets,
-    "tier": lambda n, v: _choice(n, v, TIERS),
-    "log_level": parse_log_level,
-    "deterministic": parse_bool,
+def parse_int(name: str, value) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value.strip())
+    raise ValueError(f"{name}={value!r}: expected an integer")
+
+
+def parse_float(name: str, value) -> float:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}: expected a number") from None
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Options of the ``auto``/``audit`` policy (``policy.py`` explains the rule and the calibration)."""
+    sample_every: int = 20
+    gproj_enter: float = 0.01
+    gproj_exit: float = 0.005
+    fp32_enter: float = 0.10
+    fp32_exit: float = 0.05
+    sink_amplification: bool = True
+    max_amplification: float = 100.0
+    max_rows: int = 256
+    detector_graph: bool = True
+
+    def __post_init__(self):
+        if self.sample_every < 1:
+            raise ValueError(f"sample_every must be an integer >= 1, got {self.sample_every!r}")
+        if self.max_rows < 2:
+            raise ValueError(f"max_rows must be an integer >= 2, got {self.max_rows!r}")
+        for name in ("gproj_enter", "gproj_exit", "fp32_enter", "fp32_exit"):
+            v = getattr(self, name)
+            if not (0.0 <= v < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0 (a relative error, 0.005 = 0.5%), got {v!r}")
+        if self.gproj_exit > self.gproj_enter:
+            raise ValueError(f"gproj_exit ({self.gproj_exit}) must not exceed gproj_enter ({self.gproj_enter})")
+        if self.fp32_exit > self.fp32_enter:
+            raise ValueError(f"fp32_exit ({self.fp32_exit}) must not exceed fp32_enter ({self.fp32_enter})")
+        if not (self.max_amplification >= 1.0):
+            raise ValueError(f"max_amplification must be >= 1, got {self.max_amplification!r}")
+
+
+POLICY_OPTION_NAMES = tuple(f.name for f in fields(PolicyConfig))
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str = "gproj"
+    targets: Tuple[str, ...] = TARGETS
+    tier: str = "auto"
+    log_level: int = logging.WARNING
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+@dataclass(frozen=True)
+class _Option:
+    env: Optional[str]
+    parse: Callable[[str, Any], Any]
+
+
+_CORE: Dict[str, _Option] = {
+    "mode": _Option("GPROJ_MODE", lambda n, v: _choice(n, v, MODES)),
+    "targets": _Option("GPROJ_TARGETS", parse_targets),
+    "tier": _Option("GPROJ_TIER", lambda n, v: _choice(n, v, TIER_OPTIONS)),
+    "log_level": _Option("GPROJ_LOG_LEVEL", parse_log_level),
 }
+_POLICY: Dict[str, _Option] = {
+    "sample_every": _Option("GPROJ_SAMPLE_EVERY", parse_int),
+    "gproj_enter": _Option("GPROJ_AUTO_ENTER", parse_float),
+    "gproj_exit": _Option("GPROJ_AUTO_EXIT", parse_float),
+    "fp32_enter": _Option("GPROJ_FP32_ENTER", parse_float),
+    "fp32_exit": _Option("GPROJ_FP32_EXIT", parse_float),
+    "sink_amplification": _Option("GPROJ_SINK_AMPLIFICATION", parse_bool),
+    "max_amplification": _Option(None, parse_float),
+    "max_rows": _Option("GPROJ_DETECTOR_ROWS", parse_int),
+    "detector_graph": _Option("GPROJ_DETECTOR_GRAPH", parse_bool),
+}
+OPTION_NAMES = tuple(_CORE) + tuple(_POLICY)
+#: every environment variable the patch reads (besides GPROJ_PATCH, the start-up switch)
+ENV = {name: opt.env for name, opt in {**_CORE, **_POLICY}.items() if opt.env}
+OBSOLETE_ENV = {"GPROJ_DETERMINISTIC": "every tier is bitwise deterministic (no atomics); the variable is ignored"}
 
 
-def from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
-    """The options set in the environment, parsed (raises ValueError naming the variable)."""
-    environ = os.environ if environ is None else environ
+def _pick(options: Dict[str, _Option], explicit: Mapping[str, Any], environ: Mapping[str, str]) -> Dict[str, Any]:
+    """{option: parsed value} of the options given, each from its keyword, else its variable."""
+    return {name: value for name, (value, _source) in _pick_sourced(options, explicit, environ).items()}
+
+
+def _pick_sourced(options, explicit, environ) -> Dict[str, Tuple[Any, str]]:
     out = {}
-    for opt, var in ENV.items():
-        if var in environ:
-            out[opt] = _PARSERS[opt](var, environ[var])
+    for name, opt in options.items():
+        if name in explicit:
+            out[name] = (opt.parse(name, explicit[name]), name)
+        elif opt.env and environ.get(opt.env, "") != "":
+            out[name] = (opt.parse(opt.env, environ[opt.env]), opt.env)
     return out
 
 
-def resolve(mode=None, targets=None, environ: Optional[Mapping[str, str]] = None, **options) -> Config:
-    """Build a Config: explicit arguments first, then the environment, then defaults.
+def policy_options(environ: Optional[Mapping[str, str]] = None, **explicit) -> PolicyConfig:
+    """A validated PolicyConfig from keywords > environment > defaults (ValueError on a bad or unknown one)."""
+    unknown = sorted(set(explicit) - set(_POLICY))
+    if unknown:
+        raise ValueError(f"unknown policy option(s) {', '.join(unknown)}; known: {', '.join(_POLICY)}")
+    environ = os.environ if environ is None else environ
+    picked = _pick_sourced(_POLICY, explicit, environ)
+    for name, (value, source) in picked.items():  # range checks, naming the keyword or variable
+        try:
+            replace(PolicyConfig(), **{name: value})
+        except ValueError as exc:
+            if source == name or not ("exit" in name or "enter" in name):
+                raise ValueError(f"{source}: {exc}") from None
+    return replace(PolicyConfig(), **{name: value for name, (value, _s) in picked.items()})
 
-    Other keyword options are meant for the policy (``gproj_patch.policy.OPTION_NAMES``); they are kept in
-    ``Config.extra``, where the policy reads them (and checks their values). Any other name is logged as a
-    warning (a typo is not silently ignored).
-    """
-    values = from_env(environ)
+
+def resolve(mode=None, targets=None, environ: Optional[Mapping[str, str]] = None, **options) -> Config:
+    """Build and validate a Config: keywords first, then the environment, then defaults."""
+    environ = os.environ if environ is None else environ
     explicit = dict(options)
     if mode is not None:
         explicit["mode"] = mode
     if targets is not None:
         explicit["targets"] = targets
-    extra = {}
-    for key, value in explicit.items():
-        if key in _PARSERS:
-            values[key] = _PARSERS[key](key, value)
-        else:
-            extra[key] = value
-    if extra:
-        try:
-            from .policy import OPTION_NAMES
-        except ImportError:  # pragma: no cover - policy module missing
-            OPTION_NAMES = ()
-        unknown = sorted(set(extra) - set(OPTION_NAMES))
-        if unknown:
-            logging.getLogger("gproj_patch").warning(
-                "gproj_patch: unknown option(s) %s ignored; known: %s, and the policy options %s",
-                ", ".join(unknown), ", ".join(_PARSERS), ", ".join(OPTION_NAMES))
-    return replace(Config(), **values, extra=tuple(sorted(extra.items())))
+    unknown = sorted(set(explicit) - set(OPTION_NAMES))
+    if unknown:
+        hint = " ('deterministic' was removed: every tier is deterministic)" if "deterministic" in unknown else ""
+        raise ValueError(f"unknown option(s) {', '.join(unknown)}{hint}; known: {', '.join(OPTION_NAMES)}")
+    core = _pick(_CORE, explicit, environ)
+    policy = policy_options(environ, **{k: v for k, v in explicit.items() if k in _POLICY})
+    return replace(Config(), **core, policy=policy)
+
+
+def from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The core options set in the environment, parsed (ValueError naming the variable)."""
+    return _pick(_CORE, {}, os.environ if environ is None else environ)
+
+
+def check_environment(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Parse every GPROJ_* variable the patch reads (ValueError naming the first bad one)."""
+    resolve(environ=environ)
 
 
 _active: Optional[Config] = None

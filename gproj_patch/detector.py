@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -154,7 +153,7 @@ def _statistics(qs: torch.Tensor, ks: torch.Tensor, k0: torch.Tensor, lse_s: Opt
 # (benchmarks/detector_cost.py, B·H = 32, D = 128): eager 1.26 ms a call, torch.compile 0.58 ms, one replay of a
 # CUDA graph of the same arithmetic 0.24 ms (copies and the one transfer included), against a 0.84 ms attention
 # backward. The sampled shapes are fixed (max_rows), so one graph per input signature is captured and replayed.
-# GPROJ_DETECTOR_GRAPH=0 opts out; a failed capture falls back to eager for good (logged once).
+# The option detector_graph (GPROJ_DETECTOR_GRAPH=0) opts out; a failed capture falls back to eager for good (logged once).
 _GRAPH_CACHE_SIZE = 16
 
 
@@ -191,10 +190,9 @@ _GRAPHS: Dict[tuple, "_GraphedStatistics"] = {}
 _GRAPH_STATE = {"failed": False}
 
 
-def _run_statistics(inputs, consts):
+def _run_statistics(inputs, consts, use_graph: bool = True):
     first = inputs[0]
-    if (first.device.type != "cuda" or _GRAPH_STATE["failed"]
-            or os.environ.get("GPROJ_DETECTOR_GRAPH", "1") == "0"
+    if (not use_graph or first.device.type != "cuda" or _GRAPH_STATE["failed"]
             or torch.cuda.is_current_stream_capturing()):
         return _statistics(*inputs, *consts)
     key = tuple((tuple(t.shape), t.dtype) if t is not None else None for t in inputs) + (first.device, consts)
@@ -204,7 +202,7 @@ def _run_statistics(inputs, consts):
             graphed = _GraphedStatistics(inputs, consts)
         except Exception as exc:
             _GRAPH_STATE["failed"] = True
-            _log.warning("gproj_patch: capturing the detector as a CUDA graph failed (%s: %s); it runs eagerly",
+            _log.warning("capturing the detector as a CUDA graph failed (%s: %s); it runs eagerly",
                          type(exc).__name__, exc)
             return _statistics(*inputs, *consts)
         if len(_GRAPHS) >= _GRAPH_CACHE_SIZE:
@@ -214,9 +212,11 @@ def _run_statistics(inputs, consts):
 
 
 def compute(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], scale: Optional[float] = None, *,
-            dtype: Optional[torch.dtype] = None, max_rows: Optional[int] = DEFAULT_MAX_ROWS) -> AttentionStats:
+            dtype: Optional[torch.dtype] = None, max_rows: Optional[int] = DEFAULT_MAX_ROWS,
+            use_graph: bool = True) -> AttentionStats:
     """Statistics of one call. q (B, Hq, Sq, D), k (B, Hkv, Sk, D), lse (B, Hq, Sq) natural log (or any layout
-    ``spec.normalize_lse`` reads; None skips the LSE statistics). ``dtype`` selects u (default q.dtype)."""
+    ``spec.normalize_lse`` reads; None skips the LSE statistics). ``dtype`` selects u (default q.dtype).
+    ``use_graph``: on CUDA, replay a captured CUDA graph of the arithmetic (option ``detector_graph``)."""
     with torch.no_grad():
         B, Hq, Sq, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
@@ -233,7 +233,7 @@ def compute(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], scale
             from .backends.spec import normalize_lse
             lse_s = normalize_lse(lse, B, Hq, Sq)
             lse_s = lse_s if qidx is None else lse_s.index_select(2, qidx.to(lse_s.device))
-        out = _run_statistics((qs, ks, k[:, :, 0, :], lse_s), (alpha, Hq // Hkv, u))
+        out = _run_statistics((qs, ks, k[:, :, 0, :], lse_s), (alpha, Hq // Hkv, u), use_graph)
         r_k, r_q, leak_dq, leak_dk, logit_bound, lse_gap, p_sink, worst = out
         return AttentionStats(r_k=r_k, r_q=r_q, leak_dq=leak_dq, leak_dk=leak_dk, logit_bound=logit_bound,
                               lse_gap=lse_gap, p_sink=p_sink, u=u, sk=Sk, worst=worst)

@@ -1,10 +1,10 @@
 """The ``auto`` and ``audit`` policies: which backward tier each attention call gets, per layer, with hysteresis.
 
-The dispatcher (``backends/dispatch.py``) calls, for modes "auto" and "audit",
+The router (``router.py``) calls, for modes "auto" and "audit",
 
-    tier = policy.decide(q=q, k=k, lse=lse, scale=scale, layer=layer, mode=mode, dtype=q.dtype)
+    tier = policy.decide(record, q=q, k=k, lse=lse)       # the record made at the call's forward
     ...  # run the tier's backward
-    policy.after_backward(layer=layer, tier=tier, grads=(dq, dk, dv), fp32_grads=callable)   # audit only
+    policy.after_backward(record, tier=tier, grads=(dq, dk, dv), fp32_grads=callable)   # audit only
 
 ``tier`` is one of ``"original"`` (the fused backward unchanged), ``"gproj"``, ``"fp32"`` (FP32 with projection).
 
@@ -21,7 +21,7 @@ Rule (``auto``). On a *sampled* call the detector (``detector.py``) predicts
 
 Defaults (BF16 numbers; FP16's u is 8× smaller): gproj_enter = 1 %, gproj_exit = 0.5 % (R_k ≥ 1.28 enters,
 R_k < 0.64 leaves); fp32_enter = 10 %, fp32_exit = 5 % (R_q ≥ 12.8 enters). Calibration (fp64 emulation of a
-BF16 backward that rounds dS, S = 512, D = 64, random q, v, dO; ``docs/README_training.md`` has the table): the
+BF16 backward that rounds dS, S = 512, D = 64, random q, v, dO; the README has the table): the
 measured dq error of the uncorrected backward is ≈ 0.2 × 2·u·R_k (the rounding errors add like a random walk;
 coherent rounding such as the four-key witness reaches the full 2·u·R_k), on top of a ≈ 0.17 % floor every BF16
 backward has — so at the 1 % threshold the leak is ≈ 0.25 %, inside the 0.5 % budget. GProj stayed at the floor
@@ -30,12 +30,15 @@ fp32_enter = 10 %. Between samples a layer keeps its tier, so a layer cannot fla
 ``sample_every`` steps, and only when its statistics cross the whole band between the exit and enter thresholds.
 
 Sampling. A layer is measured on its first call and then on the first call of every ``sample_every``-th step
-(default 20); other calls cost one dict lookup and never touch the tensors (no device sync). Steps come from
-``set_step`` (the Trainer callback passes ``global_step``) or, without it, are counted as backward passes
-(autograd graph tasks).
+(default 20); other calls cost one dict lookup and never touch the tensors (no device sync). Steps are the
+package's one step counter (``state.py``): ``set_step`` (the Trainer callback passes ``global_step``), else one
+step per forward-then-backward round.
 
-Layer identity: the name the dispatcher passes (the HF module name, via ``layer_tracking``), else
-``"call<i>"`` — the i-th attention backward within the current backward pass (reverse forward order).
+Layer identity: the name in the call's record, taken at its forward (the HF module name via
+``layer_tracking``, ``"<Class>.<idx>"`` on the HF "gproj" path, else ``"call<i>"``, the i-th attention forward
+of the step). The policy options are the record's too (``config.PolicyConfig``, fixed at the forward).
+All records live in the package's runtime state (``state.STATE.layers``); ``gproj_patch.reset_stats()`` clears
+them.
 
 ``audit``: the same tier choice; on sampled calls ``after_backward`` also evaluates the FP32-with-projection
 gradient and records the relative discrepancy ‖g − g_fp32‖ / ‖g_fp32‖ of dq, dk, dv for the layer.
@@ -44,83 +47,29 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import threading
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from . import config as _patch_config
+from . import config as _config
+from .config import POLICY_OPTION_NAMES as OPTION_NAMES, PolicyConfig
+from .state import STATE
 
 TIERS = ("original", "gproj", "fp32")
-MODES = ("auto", "audit")
+MODES = _config.POLICY_MODES
 _RANK = {t: i for i, t in enumerate(TIERS)}
 _log = logging.getLogger("gproj_patch.policy")
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    sample_every: int = 20
-    gproj_enter: float = 0.01
-    gproj_exit: float = 0.005
-    fp32_enter: float = 0.10
-    fp32_exit: float = 0.05
-    sink_amplification: bool = True
-    max_amplification: float = 100.0
-    max_rows: int = 256  # detector.DEFAULT_MAX_ROWS (this module imports torch lazily: startup validates it)
-
-    def __post_init__(self):
-        if not isinstance(self.sample_every, int) or isinstance(self.sample_every, bool) or self.sample_every < 1:
-            raise ValueError(f"sample_every must be an integer >= 1, got {self.sample_every!r}")
-        if not isinstance(self.max_rows, int) or isinstance(self.max_rows, bool) or self.max_rows < 2:
-            raise ValueError(f"max_rows must be an integer >= 2, got {self.max_rows!r}")
-        for name in ("gproj_enter", "gproj_exit", "fp32_enter", "fp32_exit"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0.0 <= v < math.inf):
-                raise ValueError(f"{name} must be a finite number >= 0 (a relative error, 0.005 = 0.5%), got {v!r}")
-        if self.gproj_exit > self.gproj_enter:
-            raise ValueError(f"gproj_exit ({self.gproj_exit}) must not exceed gproj_enter ({self.gproj_enter})")
-        if self.fp32_exit > self.fp32_enter:
-            raise ValueError(f"fp32_exit ({self.fp32_exit}) must not exceed fp32_enter ({self.fp32_enter})")
-        if not (isinstance(self.max_amplification, (int, float)) and self.max_amplification >= 1.0):
-            raise ValueError(f"max_amplification must be >= 1, got {self.max_amplification!r}")
-
-
-OPTION_NAMES = tuple(f.name for f in fields(PolicyConfig))
-
-#: Environment variables read by ``options_from_env`` (strings parsed to the option's type).
-ENV_OPTIONS = {
-    "GPROJ_SAMPLE_EVERY": "sample_every",
-    "GPROJ_AUTO_ENTER": "gproj_enter",
-    "GPROJ_AUTO_EXIT": "gproj_exit",
-    "GPROJ_FP32_ENTER": "fp32_enter",
-    "GPROJ_FP32_EXIT": "fp32_exit",
-    "GPROJ_SINK_AMPLIFICATION": "sink_amplification",
-    "GPROJ_DETECTOR_ROWS": "max_rows",
-}
-
-
-def _parse(env: str, option: str, text: str) -> Any:
-    kind = type(getattr(PolicyConfig(), option))
-    try:
-        if kind is bool:
-            low = text.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        return kind(text.strip())
-    except ValueError:
-        expect = {bool: "0 or 1", int: "an integer", float: "a number"}[kind]
-        raise ValueError(f"{env}={text!r}: expected {expect} (policy option {option!r})") from None
+_overrides: Dict[str, Any] = {}  # configure(): applied on top of the enabled options, for calls made after it
 
 
 def options_from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
-    """Policy options set in the environment (see ``ENV_OPTIONS``); raises ValueError on a malformed value."""
-    environ = os.environ if environ is None else environ
-    out = {opt: _parse(env, opt, environ[env]) for env, opt in ENV_OPTIONS.items() if environ.get(env, "") != ""}
-    replace(PolicyConfig(), **out)  # range checks, with the option's name in the message
-    return out
+    """Policy options set in the environment, validated (ValueError naming the variable)."""
+    cfg = _config.policy_options(environ)
+    return {name: getattr(cfg, name) for name in OPTION_NAMES if getattr(cfg, name) != getattr(PolicyConfig(), name)}
+
+
+def effective_config(base: PolicyConfig) -> PolicyConfig:
+    """``base`` (the enabled options) with the ``configure()`` overrides applied."""
+    return replace(base, **_overrides) if _overrides else base
 
 
 def next_tier(current: str, leak_dq: float, leak_dk: float, cfg: PolicyConfig) -> str:
@@ -143,9 +92,13 @@ def effective_leaks(summary: Mapping[str, float], cfg: PolicyConfig) -> tuple:
 
 @dataclass
 class LayerRecord:
+    """One layer's policy state. ``tier`` is the policy's choice (what the hysteresis acts on); ``ran`` the tier
+    that actually ran last (the choice "gproj" runs the FP32 tier where the kernel does not apply, e.g. on CPU).
+    Reports name ``ran``."""
     name: str
     tier: str = "original"
-    calls: Dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    ran: Optional[str] = None
+    calls: Dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})  # tiers that ran
     samples: int = 0
     sampled_bucket: Optional[int] = None
     last_sampled_step: Optional[int] = None
@@ -155,159 +108,83 @@ class LayerRecord:
     audit_pending: bool = False
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"tier": self.tier, "calls": dict(self.calls), "samples": self.samples,
+        return {"tier": self.ran or self.tier, "policy_tier": self.tier, "calls": dict(self.calls), "samples": self.samples,
                 "last_sampled_step": self.last_sampled_step, "transitions": self.transitions,
                 "stats": dict(self.stats), "audit": dict(self.audit)}
 
 
-class _Policy:
-    def __init__(self):
-        self.lock = threading.RLock()
-        self.overrides: Dict[str, Any] = {}
-        self._config: Optional[PolicyConfig] = None
-        self._config_for: Any = None
-        self.local = threading.local()
-        self.reset()
+def _sample(record, q, k, lse, rec: LayerRecord, step: int) -> Optional[Dict[str, float]]:
+    """Run the detector on this call; None (tier kept, said once) if it fails."""
+    from . import detector
+    cfg = record.context.policy
+    try:
+        return detector.compute(q, k, lse, record.problem.scale, dtype=q.dtype, max_rows=cfg.max_rows,
+                                use_graph=cfg.detector_graph).summary()
+    except Exception as exc:  # a statistics failure must not stop training: keep the tier, say so once
+        with STATE.lock:
+            first, STATE.detector_failed = not STATE.detector_failed, True
+        if first:
+            _log.warning("the large-key detector failed (%s: %s) on layer %r; layers keep their current tier",
+                         type(exc).__name__, exc, rec.name)
+        return None
 
-    @property
-    def config(self) -> PolicyConfig:
-        """Defaults < environment (``ENV_OPTIONS``) < options given to ``enable()`` < ``configure()``;
-        recomputed whenever the patch is enabled anew."""
-        active = _patch_config.active()
-        if self._config is None or active is not self._config_for:
-            with self.lock:
-                opts = options_from_env()
-                if active is not None:
-                    opts.update({k: v for k, v in active.extra if k in OPTION_NAMES})
-                opts.update(self.overrides)
-                self._config = replace(PolicyConfig(), **opts)
-                self._config_for = active
-        return self._config
 
-    def configure(self, **options) -> PolicyConfig:
-        with self.lock:
-            merged = {**self.overrides, **options}
-            replace(PolicyConfig(), **merged)  # validate before keeping anything
-            self.overrides = merged
-            self._config = None
-            return self.config
-
-    def reset(self, keep_config: bool = True) -> None:
-        with self.lock:
-            if not keep_config:
-                self.overrides = {}
-                self._config = None
-            self.records: Dict[str, LayerRecord] = {}
-            self.events: List[Dict[str, Any]] = []
-            self.explicit_step: Optional[int] = None
-            self.implicit_step = 0
-            self.graph_task: Optional[int] = None
-            self.call_index = 0
-            self.detector_failed = False
-
-    # --- steps and layer names -------------------------------------------------------------------------
-    def set_step(self, step: int) -> None:
-        with self.lock:
-            if step != self.explicit_step:
-                self.call_index = 0
-            self.explicit_step = int(step)
-
-    def new_step(self) -> None:
-        with self.lock:
-            if self.explicit_step is not None:
-                self.explicit_step += 1
-            else:
-                self.implicit_step += 1
-            self.call_index = 0
-
-    def step(self) -> int:
-        return self.explicit_step if self.explicit_step is not None else self.implicit_step
-
-    def _observe_call(self) -> int:
-        """Track backward passes (autograd graph tasks); return this call's index within the pass."""
-        import torch
-        gt = torch._C._current_graph_task_id() if hasattr(torch._C, "_current_graph_task_id") else -1
-        if gt >= 0 and gt != self.graph_task:
-            if self.graph_task is not None and self.explicit_step is None:
-                self.implicit_step += 1
-            self.graph_task = gt
-            self.call_index = 0
-        i = self.call_index
-        self.call_index += 1
-        return i
-
-    # --- the dispatcher's entry points -----------------------------------------------------------------
-    def decide(self, *, q, k, lse, scale=None, layer=None, mode="auto", dtype=None) -> str:
-        if mode not in MODES:
-            raise ValueError(f"policy.decide: mode must be one of {MODES}, got {mode!r}")
-        with self.lock:
-            i = self._observe_call()
-            name = layer if layer else f"call{i}"
-            rec = self.records.get(name)
-            if rec is None:
-                rec = self.records[name] = LayerRecord(name)
-            step = self.step()
-            cfg = self.config
-            bucket = step // cfg.sample_every
-            sample = rec.sampled_bucket != bucket
-            if sample:
-                rec.sampled_bucket = bucket  # claim it: a concurrent call of the same layer does not re-sample
-        self.local.last_layer = name
+def decide(record, *, q, k, lse) -> str:
+    """Tier for one backward call of ``record`` ("original", "gproj" or "fp32"; see the module docstring)."""
+    ctx = record.context
+    if ctx.mode not in MODES:
+        raise ValueError(f"policy.decide: mode must be one of {MODES}, got {ctx.mode!r}")
+    cfg = ctx.policy
+    with STATE.lock:
+        rec = STATE.layers.get(ctx.layer)
+        if rec is None:
+            rec = STATE.layers[ctx.layer] = LayerRecord(ctx.layer)
+        step = STATE.step()
+        bucket = step // cfg.sample_every
+        sample = rec.sampled_bucket != bucket
         if sample:
-            from . import detector
-            try:
-                summary = detector.compute(q, k, lse, scale, dtype=dtype or q.dtype, max_rows=cfg.max_rows).summary()
-            except Exception as exc:  # a statistics failure must not stop training: keep the tier, say so once
-                if not self.detector_failed:
-                    self.detector_failed = True
-                    _log.warning("gproj_patch: the large-key detector failed (%s: %s) on layer %r; "
-                                 "layers keep their current tier", type(exc).__name__, exc, name)
-                sample = False
-        if sample:
+            rec.sampled_bucket = bucket  # claim it: a concurrent call of the same layer does not re-sample
+    summary = _sample(record, q, k, lse, rec, step) if sample else None
+    with STATE.lock:
+        if summary is not None:
             leak_dq, leak_dk = effective_leaks(summary, cfg)
             summary["leak_dq_eff"] = leak_dq
-            with self.lock:
-                old = rec.tier
-                new = next_tier(old, leak_dq, leak_dk, cfg)
-                rec.stats = summary
-                rec.samples += 1
-                rec.last_sampled_step = step
-                rec.audit_pending = mode == "audit"
-                if new != old:
-                    rec.transitions += 1
-                    rec.tier = new
-                    self.events.append({"layer": name, "step": step, "from": old, "to": new,
-                                        "leak_dq": leak_dq, "leak_dk": leak_dk, "r_k": summary["r_k"],
-                                        "r_q": summary["r_q"], "p_sink": summary["p_sink"]})
-        with self.lock:
-            tier = rec.tier
-            rec.calls[tier] += 1
-        return tier
+            old = rec.tier
+            new = next_tier(old, leak_dq, leak_dk, cfg)
+            rec.stats = summary
+            rec.samples += 1
+            rec.last_sampled_step = step
+            rec.audit_pending = ctx.mode == "audit"
+            if new != old:
+                rec.transitions += 1
+                rec.tier = new
+                STATE.events.append({"layer": ctx.layer, "step": step, "from": old, "to": new,
+                                     "leak_dq": leak_dq, "leak_dk": leak_dk, "r_k": summary["r_k"],
+                                     "r_q": summary["r_q"], "p_sink": summary["p_sink"]})
+        return rec.tier
 
-    def after_backward(self, *, layer=None, tier=None, grads: Sequence[Optional[torch.Tensor]] = (),
-                       fp32_grads: Optional[Callable[[], Sequence[Optional[torch.Tensor]]]] = None) -> None:
-        name = layer if layer else getattr(self.local, "last_layer", None)
-        with self.lock:
-            rec = self.records.get(name) if name is not None else None
-            if rec is None or not rec.audit_pending or fp32_grads is None:
-                return
-            rec.audit_pending = False
-            step = self.step()
-        ref = fp32_grads()
-        errs = relative_errors(grads, ref)
-        with self.lock:
-            rec.audit = {**{f"err_{n}": e for n, e in zip(("dq", "dk", "dv"), errs)},
-                         "step": step, "tier_rank": float(_RANK.get(tier, -1))}
 
-    # --- reporting ------------------------------------------------------------------------------------
-    def stats(self) -> Dict[str, Dict[str, Any]]:
-        with self.lock:
-            return {name: rec.as_dict() for name, rec in self.records.items()}
-
-    def pop_events(self) -> List[Dict[str, Any]]:
-        with self.lock:
-            out, self.events = self.events, []
-            return out
+def after_backward(record, *, tier: str, grads: Sequence[Optional[Any]] = (),
+                   fp32_grads: Optional[Callable[[], Sequence[Optional[Any]]]] = None) -> None:
+    """Count the tier that ran for the record's layer; in audit mode, on a sampled call, compare ``grads``
+    with ``fp32_grads()`` and record the discrepancy."""
+    with STATE.lock:
+        rec = STATE.layers.get(record.context.layer)
+        if rec is None:
+            return
+        rec.calls[tier] += 1
+        rec.ran = tier
+        for event in STATE.events:  # a transition names the tier that actually ran for it
+            if event["layer"] == rec.name and "ran" not in event:
+                event["ran"] = tier
+        if not rec.audit_pending or fp32_grads is None or record.context.mode != "audit":
+            return
+        rec.audit_pending = False
+        step = STATE.step()
+    errs = relative_errors(grads[:3], fp32_grads()[:3])
+    with STATE.lock:
+        rec.audit = {**{f"err_{n}": e for n, e in zip(("dq", "dk", "dv"), errs)},
+                     "step": step, "tier_rank": float(_RANK.get(tier, -1))}
 
 
 def relative_errors(grads, ref) -> List[float]:
@@ -323,59 +200,56 @@ def relative_errors(grads, ref) -> List[float]:
     return torch.stack(vals).tolist() if vals else []
 
 
-_POLICY = _Policy()
-
-
 def configure(**options) -> PolicyConfig:
-    """Set policy options (names in ``OPTION_NAMES``); unknown names and bad values raise ValueError."""
-    unknown = sorted(set(options) - set(OPTION_NAMES))
-    if unknown:
-        raise ValueError(f"unknown policy option(s) {unknown}; valid: {list(OPTION_NAMES)}")
-    return _POLICY.configure(**options)
+    """Set policy options (names in ``OPTION_NAMES``) for calls made from now on, on top of the enabled ones;
+    unknown names and bad values raise ValueError. Returns the options now in force."""
+    merged = {**_overrides, **options}
+    _config.policy_options({}, **merged)  # validate before keeping anything
+    _overrides.clear()
+    _overrides.update(merged)
+    return config()
 
 
 def config() -> PolicyConfig:
-    return _POLICY.config
-
-
-def decide(*, q, k, lse, scale=None, layer=None, mode="auto", dtype=None) -> str:
-    """Tier for one backward call: "original", "gproj" or "fp32" (see the module docstring)."""
-    return _POLICY.decide(q=q, k=k, lse=lse, scale=scale, layer=layer, mode=mode, dtype=dtype)
-
-
-def after_backward(*, layer=None, tier=None, grads=(), fp32_grads=None) -> None:
-    """Audit hook: on a sampled call, compare ``grads`` with ``fp32_grads()`` and record the discrepancy."""
-    _POLICY.after_backward(layer=layer, tier=tier, grads=grads, fp32_grads=fp32_grads)
+    """The policy options a call made now gets."""
+    cfg = _config.active() or _config.resolve()
+    return effective_config(cfg.policy)
 
 
 def set_step(step: int) -> None:
     """Declare the current training step (sampling is every ``sample_every`` steps)."""
-    _POLICY.set_step(step)
+    STATE.set_step(step)
 
 
 def new_step() -> None:
     """Advance the step counter by one and restart call numbering (for loops that do not call set_step)."""
-    _POLICY.new_step()
+    STATE.new_step()
 
 
 def current_step() -> int:
-    return _POLICY.step()
+    return STATE.step()
 
 
 def stats() -> Dict[str, Dict[str, Any]]:
     """Per-layer records: tier, calls per tier, samples, last statistics, audit discrepancies."""
-    return _POLICY.stats()
+    with STATE.lock:
+        return {name: rec.as_dict() for name, rec in STATE.layers.items()}
 
 
 def pop_events() -> List[Dict[str, Any]]:
-    """Tier transitions since the last call (each a dict with layer, step, from, to and the statistics)."""
-    return _POLICY.pop_events()
+    """Tier transitions since the last call (each a dict with layer, step, from, to — the policy's choice —,
+    ran — the tier that then ran —, and the statistics)."""
+    with STATE.lock:
+        out, STATE.events = STATE.events, []
+        return out
 
 
 def reset(keep_config: bool = True) -> None:
-    """Forget every layer record, event and step counter; ``keep_config=False`` also drops ``configure()``
-    overrides (the environment and ``enable()`` options still apply)."""
-    _POLICY.reset(keep_config)
+    """Clear the runtime state (every layer record, event, step and counter: ``state.reset()``);
+    ``keep_config=False`` also drops ``configure()`` overrides."""
+    if not keep_config:
+        _overrides.clear()
+    STATE.reset()
 
 
 _LOG_STATS = ("r_k", "r_q", "leak_dq", "leak_dq_eff", "leak_dk", "logit_bound", "lse_gap", "p_sink")

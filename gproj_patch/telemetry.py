@@ -9,19 +9,14 @@ is seen. The shape class is (source, device type, dtype, head dim, GQA or not): 
 from __future__ import annotations
 
 import logging
-import threading
-from collections import Counter
 from typing import Optional, Tuple
+
+from .state import STATE
 
 logger = logging.getLogger("gproj_patch")
 
-TIERS = ("gproj", "fp32", "original")
-
-_lock = threading.Lock()
-_backward = Counter()
-_forward = Counter()
-_reasons = Counter()
-_logged = set()
+#: the tiers a backward can run, in the order of the policy's rank (0 original, 1 gproj, 2 fp32)
+TIERS = ("original", "gproj", "fp32")
 
 
 def shape_class(source: str, q=None, k=None) -> Tuple:
@@ -32,43 +27,44 @@ def shape_class(source: str, q=None, k=None) -> Tuple:
 
 
 def _note_reason(reason: str, cls: Tuple, tier: str) -> None:
-    _reasons[reason] += 1
+    STATE.reasons[reason] += 1
     key = (reason, cls)
-    if key not in _logged:
-        _logged.add(key)
-        logger.warning("gproj_patch: %s -> %s tier for %s (logged once per reason and shape class)",
+    if key not in STATE.logged:
+        STATE.logged.add(key)
+        logger.warning("%s -> %s tier for %s (logged once per reason and shape class)",
                        reason, tier, "/".join(map(str, cls)))
+
+
+def note_reason(reason: str, cls: Tuple = ()) -> None:
+    """Count (and log once per shape class) a reason that is not itself a tier choice."""
+    with STATE.lock:
+        STATE.reasons[reason] += 1
+        key = (reason, cls)
+        if key not in STATE.logged:
+            STATE.logged.add(key)
+            logger.warning("%s (%s; logged once per reason and shape class)", reason, "/".join(map(str, cls)))
 
 
 def record_backward(tier: str, reason: Optional[str] = None, cls: Tuple = ()) -> None:
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}")
-    with _lock:
-        _backward[tier] += 1
+    with STATE.lock:
+        STATE.backward[tier] += 1
         if reason:
             _note_reason(reason, cls, tier)
 
 
 def record_forward(path: str, reason: Optional[str] = None, cls: Tuple = ()) -> None:
     """A forward call that went through a hook: ``path`` is "patched" or "original"."""
-    with _lock:
-        _forward[path] += 1
+    with STATE.lock:
+        STATE.forward[path] += 1
         if reason:
             _note_reason(reason, cls, "original" if path == "original" else path)
 
 
 def stats() -> dict:
-    with _lock:
-        out = {t: _backward.get(t, 0) for t in TIERS}
-        out["forward"] = dict(_forward)
-        out["fallback_reasons"] = dict(_reasons)
+    with STATE.lock:
+        out = {t: STATE.backward.get(t, 0) for t in TIERS}
+        out["forward"] = dict(STATE.forward)
+        out["fallback_reasons"] = dict(STATE.reasons)
         return out
-
-
-def reset() -> None:
-    """Zero every counter and forget which reasons were logged."""
-    with _lock:
-        _backward.clear()
-        _forward.clear()
-        _reasons.clear()
-        _logged.clear()

@@ -81,9 +81,8 @@ def test_env_options_and_errors(monkeypatch):
     monkeypatch.setenv("GPROJ_MODE", "fp32")
     monkeypatch.setenv("GPROJ_TARGETS", "sdpa, transformers")
     monkeypatch.setenv("GPROJ_LOG_LEVEL", "info")
-    monkeypatch.setenv("GPROJ_DETERMINISTIC", "yes")
     cfg = config.resolve()
-    assert (cfg.mode, cfg.targets, cfg.log_level, cfg.deterministic) == ("fp32", ("sdpa", "transformers"), 20, True)
+    assert (cfg.mode, cfg.targets, cfg.log_level) == ("fp32", ("sdpa", "transformers"), 20)
     assert config.resolve(mode="gproj").mode == "gproj"  # explicit argument wins
     monkeypatch.setenv("GPROJ_MODE", "fast")
     with pytest.raises(ValueError, match="GPROJ_MODE"):
@@ -93,7 +92,8 @@ def test_env_options_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="xformers"):
         config.resolve()
     monkeypatch.setenv("GPROJ_TARGETS", "sdpa")
-    for var, bad in (("GPROJ_TIER", "cuda"), ("GPROJ_LOG_LEVEL", "loud"), ("GPROJ_DETERMINISTIC", "maybe")):
+    for var, bad in (("GPROJ_TIER", "cuda"), ("GPROJ_LOG_LEVEL", "loud"), ("GPROJ_DETECTOR_GRAPH", "maybe"),
+                     ("GPROJ_SAMPLE_EVERY", "0")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(ValueError, match=var):
             config.resolve()
@@ -103,13 +103,46 @@ def test_env_options_and_errors(monkeypatch):
     assert not gproj_patch.is_enabled()
 
 
-def test_unknown_option_warns(caplog):
-    with caplog.at_level("WARNING", "gproj_patch"):
-        config.resolve(mdoe="fp32")  # a typo is reported, not silently ignored
-    assert any("mdoe" in r.getMessage() for r in caplog.records)
-    from gproj_patch import policy
-    name = sorted(policy.OPTION_NAMES)[0]
-    assert dict(config.resolve(**{name: getattr(policy.PolicyConfig(), name)}).extra)  # policy options pass
+def test_unknown_option_raises_and_policy_options_are_validated_at_enable(monkeypatch):
+    with pytest.raises(ValueError, match="mdoe"):
+        gproj_patch.enable(mdoe="fp32")  # a typo is an error, not silently ignored
+    with pytest.raises(ValueError, match="deterministic"):
+        gproj_patch.enable(deterministic=True)  # removed: every tier is deterministic
+    assert not gproj_patch.is_enabled()
+    for bad in (dict(sample_every=0), dict(gproj_enter=-1.0), dict(gproj_exit=0.5, gproj_enter=0.1),
+                dict(max_rows=1), dict(sample_every="often")):
+        with pytest.raises(ValueError):
+            gproj_patch.enable(mode="auto", **bad)  # at enable(), not at the first backward
+        assert not gproj_patch.is_enabled()
+    cfg = gproj_patch.enable(mode="auto", sample_every=7, gproj_enter=0.03).config
+    assert (cfg.policy.sample_every, cfg.policy.gproj_enter) == (7, 0.03)
+
+
+def test_keyword_wins_over_an_invalid_environment_value(monkeypatch):
+    monkeypatch.setenv("GPROJ_MODE", "bogus")
+    monkeypatch.setenv("GPROJ_SAMPLE_EVERY", "zero")
+    with pytest.raises(ValueError, match="GPROJ_MODE"):
+        config.resolve(sample_every=3)
+    cfg = config.resolve(mode="fp32", sample_every=3)
+    assert (cfg.mode, cfg.policy.sample_every) == ("fp32", 3)
+
+
+@pytest.mark.parametrize("targets", [(), [], ""])
+def test_empty_targets_is_an_error(monkeypatch, targets):
+    with pytest.raises(ValueError, match="empty"):
+        gproj_patch.enable(targets=targets)
+    monkeypatch.setenv("GPROJ_TARGETS", " , ")
+    with pytest.raises(ValueError, match="GPROJ_TARGETS.*empty"):
+        gproj_patch.enable()
+    assert not gproj_patch.is_enabled()
+
+
+def test_kernel_op_exists_after_import():
+    import subprocess
+    import sys
+    code = "import gproj_patch, torch; print(hasattr(torch.ops.gproj, 'attention_backward'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr
 
 
 def test_attention_without_enable_is_corrected_and_counted():

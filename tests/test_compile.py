@@ -61,14 +61,14 @@ def test_compiled_fullgraph_trains(impl, backend):
 
 def test_custom_ops_opcheck():
     """Fake (meta) kernels agree with the real ones, strides included (inductor asserts them)."""
-    from gproj_patch import autograd as gp
+    from gproj_patch.ops import sdpa_compiled as gp
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 4, 8, generator=g).bfloat16().transpose(1, 2)  # (B, H, S, D), non-contiguous
     k = torch.randn(2, 6, 2, 8, generator=g).bfloat16().transpose(1, 2)
     v = torch.randn(2, 6, 2, 8, generator=g).bfloat16().transpose(1, 2)
-    args = (q, k, v, None, 0.0, True, None, True, "layer0")
+    args = (q, k, v, None, True, None, True, "layer0", "gproj")
     torch.library.opcheck(gp._sdpa_fwd, args, test_utils=("test_schema", "test_faketensor"))
     out, lse, aux = gp._sdpa_fwd(*args)
     do = torch.randn(out.shape, generator=g).bfloat16()
-    torch.library.opcheck(gp._sdpa_bwd, (do, q, k, v, out, lse, None, aux, 0.0, True, None, True),
+    torch.library.opcheck(gp._sdpa_bwd, (do, q, k, v, out, lse, None, aux, True, None),
                           test_utils=("test_schema", "test_faketensor"))

@@ -4,6 +4,21 @@ import torch
 
 from gproj_patch import policy
 from gproj_patch.policy import PolicyConfig, next_tier
+from gproj_patch.record import CallRecord, Context, Problem
+
+
+def _record(layer, mode="auto", scale=32 ** -0.5):
+    ctx = Context(mode=mode, tier_option="auto", layer=layer, source="test", policy=policy.config())
+    return CallRecord(Problem(scale=scale), ctx)
+
+
+def _decide(layer="L", mode="auto", q=None, k=None, lse=None, scale=32 ** -0.5, dtype=None):
+    """policy.decide for a call recorded now with these options (what the router does)."""
+    return policy.decide(_record(layer, mode, scale), q=q, k=k, lse=lse)
+
+
+def _after(layer, mode, tier, grads, fp32_grads):
+    policy.after_backward(_record(layer, mode), tier=tier, grads=grads, fp32_grads=fp32_grads)
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +62,7 @@ def test_layer_does_not_flap_between_thresholds():
     tiers = []
     for step, rk in enumerate(seq):
         policy.set_step(step)
-        tiers.append(policy.decide(layer="L", mode="auto", **_qk(k_off=_offset_for_rk(rk), seed=step)))
+        tiers.append(_decide(layer="L", mode="auto", **_qk(k_off=_offset_for_rk(rk), seed=step)))
     assert tiers == ["original", "gproj", "gproj", "gproj", "gproj", "gproj", "original", "original", "gproj"]
     rec = policy.stats()["L"]
     assert rec["transitions"] == 3 and rec["samples"] == len(seq)
@@ -59,9 +74,9 @@ def test_layer_does_not_flap_between_thresholds():
 
 def test_fp32_when_queries_carry_a_large_common_offset():
     policy.configure(sample_every=1, sink_amplification=False)
-    assert policy.decide(layer="A", **_qk(q_off=_offset_for_rk(20))) == "fp32"
-    assert policy.decide(layer="B", **_qk(k_off=_offset_for_rk(20))) == "gproj"
-    assert policy.decide(layer="C", **_qk()) == "original"
+    assert _decide(layer="A", **_qk(q_off=_offset_for_rk(20))) == "fp32"
+    assert _decide(layer="B", **_qk(k_off=_offset_for_rk(20))) == "gproj"
+    assert _decide(layer="C", **_qk()) == "original"
 
 
 def test_sampling_every_n_steps_reuses_the_decision():
@@ -70,7 +85,8 @@ def test_sampling_every_n_steps_reuses_the_decision():
     got = []
     for step in range(12):
         policy.set_step(step)
-        got.append(policy.decide(layer="L", **(big if step >= 3 else small)))
+        got.append(_decide(layer="L", **(big if step >= 3 else small)))
+        _after("L", "auto", got[-1], (), None)  # the router reports the tier that ran
     # sampled at steps 0, 5, 10: the regime change at step 3 is seen at step 5
     assert got == ["original"] * 5 + ["gproj"] * 7
     rec = policy.stats()["L"]
@@ -80,31 +96,25 @@ def test_sampling_every_n_steps_reuses_the_decision():
 def test_unsampled_calls_do_not_touch_tensors():
     policy.configure(sample_every=100)
     policy.set_step(0)
-    policy.decide(layer="L", **_qk())
+    _decide(layer="L", **_qk())
     policy.set_step(1)
-    assert policy.decide(layer="L", q=None, k=None, lse=None) == "original"
+    assert _decide(layer="L", q=None, k=None, lse=None) == "original"
 
 
-def test_unnamed_layers_are_numbered_per_backward_pass():
-    policy.configure(sample_every=1)
-    seen = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            seen.append(policy.decide(layer=None, **_qk()))
-            return g
-
-    x = torch.ones(3, requires_grad=True)
-    for _ in range(2):
-        Probe.apply(Probe.apply(x)).sum().backward()
-    assert sorted(policy.stats()) == ["call0", "call1"]
-    assert policy.current_step() == 1  # two backward passes: steps 0 and 1
-    assert all(r["samples"] == 2 for r in policy.stats().values())
+def test_unnamed_layers_are_numbered_per_step_at_the_forward():
+    """Unnamed calls are named call0, call1, ... in forward order when their record is made; a forward after
+    a backward starts a new step (one step notion, state.py)."""
+    import gproj_patch
+    from gproj_patch.record import make_context
+    gproj_patch.reset_stats()
+    names = []
+    for step in range(2):
+        names.append([make_context("test").layer for _ in range(3)])
+        gproj_patch.layer_context.backward_ran()
+    assert names == [["call0", "call1", "call2"]] * 2
+    assert policy.current_step() == 1
+    with gproj_patch.layer_scope("blk.0"):
+        assert make_context("test").layer == "blk.0"
 
 
 def test_audit_records_measured_discrepancy_on_sampled_calls_only():
@@ -119,8 +129,8 @@ def test_audit_records_measured_discrepancy_on_sampled_calls_only():
     grads = (torch.ones(4) * 1.01, torch.ones(4), torch.full((4,), 2.0))
     for step in range(4):
         policy.set_step(step)
-        tier = policy.decide(layer="L", mode="audit", **_qk())
-        policy.after_backward(layer="L", tier=tier, grads=grads, fp32_grads=fp32_grads)
+        tier = _decide(layer="L", mode="audit", **_qk())
+        _after("L", "audit", tier, grads, fp32_grads)
     assert len(calls) == 2  # steps 0 and 2
     audit = policy.stats()["L"]["audit"]
     assert audit["err_dq"] == pytest.approx(0.01, rel=1e-3)
@@ -131,8 +141,8 @@ def test_audit_records_measured_discrepancy_on_sampled_calls_only():
     assert logs["gproj/L/tier"] == 0.0 and logs["gproj/layers/original"] == 1.0
     # auto mode never evaluates the reference
     policy.reset()
-    policy.decide(layer="M", mode="auto", **_qk())
-    policy.after_backward(layer="M", tier="original", grads=grads, fp32_grads=fp32_grads)
+    _decide(layer="M", mode="auto", **_qk())
+    _after("M", "auto", "original", grads, fp32_grads)
     assert len(calls) == 2
 
 
@@ -147,9 +157,9 @@ def test_sink_amplification_flags_sharp_attention():
     lse = torch.logsumexp(D ** -0.5 * q.float() @ k.float().transpose(-1, -2), -1)
     args = dict(q=q, k=k, lse=lse, scale=D ** -0.5)
     policy.configure(sink_amplification=False)
-    assert policy.decide(layer="plain", **args) == "original"
+    assert _decide(layer="plain", **args) == "original"
     policy.configure(sink_amplification=True)
-    assert policy.decide(layer="amplified", **args) == "gproj"
+    assert _decide(layer="amplified", **args) == "gproj"
     assert policy.stats()["amplified"]["stats"]["p_sink"] > 0.9
 
 
@@ -162,19 +172,19 @@ def test_options_validation_and_environment():
         policy.configure(gproj_enter=0.01, gproj_exit=0.02)
     env = {"GPROJ_SAMPLE_EVERY": "7", "GPROJ_AUTO_ENTER": "0.02", "GPROJ_SINK_AMPLIFICATION": "0"}
     assert policy.options_from_env(env) == {"sample_every": 7, "gproj_enter": 0.02, "sink_amplification": False}
-    with pytest.raises(ValueError, match="GPROJ_SAMPLE_EVERY='x'"):
+    with pytest.raises(ValueError, match="GPROJ_SAMPLE_EVERY"):
         policy.options_from_env({"GPROJ_SAMPLE_EVERY": "x"})
     with pytest.raises(ValueError, match="mode"):
-        policy.decide(layer="L", mode="gproj", **_qk())
+        _decide(layer="L", mode="gproj", **_qk())
 
 
 def test_detector_failure_keeps_tier_and_warns_once(caplog):
     policy.configure(sample_every=1)
     bad = dict(q=torch.zeros(2), k=torch.zeros(2), lse=None)
     with caplog.at_level("WARNING", logger="gproj_patch.policy"):
-        assert policy.decide(layer="L", **bad) == "original"
+        assert _decide(layer="L", **bad) == "original"
         policy.set_step(1)
-        assert policy.decide(layer="L", **bad) == "original"
+        assert _decide(layer="L", **bad) == "original"
     assert sum("detector failed" in r.message for r in caplog.records) == 1
 
 
@@ -183,7 +193,7 @@ def test_options_from_enable_and_environment_apply(monkeypatch):
     monkeypatch.setenv("GPROJ_SAMPLE_EVERY", "9")
     policy.reset(keep_config=False)
     assert policy.config().sample_every == 9
-    cfg = patch_config.resolve(mode="auto", sample_every=4, gproj_enter=0.03, unrelated=1)
+    cfg = patch_config.resolve(mode="auto", sample_every=4, gproj_enter=0.03)
     monkeypatch.setattr(patch_config, "_active", cfg)
     assert policy.config().sample_every == 4 and policy.config().gproj_enter == 0.03
     policy.configure(sample_every=2)

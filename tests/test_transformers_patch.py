@@ -97,9 +97,10 @@ def test_bf16_gradients_within_flash_attention_style_tolerance(name, padded, imp
 
 def test_layer_names_and_inference_path(monkeypatch):
     seen = []
-    from gproj_patch.backends import dispatch
-    real = dispatch.corrected_backward
-    monkeypatch.setattr(dispatch, "corrected_backward", lambda *a, **kw: seen.append(kw["layer"]) or real(*a, **kw))
+    from gproj_patch.ops import sdpa as sdpa_op
+    real = sdpa_op.run_backward
+    monkeypatch.setattr(sdpa_op, "run_backward",
+                        lambda record, *a, **kw: seen.append(record.context.layer) or real(record, *a, **kw))
     cfg = _configs()["mistral_gqa_window"]
     model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="gproj", dtype=torch.bfloat16)
     ids, mask, labels = _batch(False)
@@ -117,16 +118,28 @@ def test_disable_unregisters_gproj():
     assert "gproj" not in AttentionInterface._global_mapping
 
 
-def test_attention_dropout_in_training_runs_fp32_tier():
+def test_attention_dropout_in_training_keeps_the_fused_path():
+    """HF attention dropout: the fused forward (and its own dropout mask) stays; the call passes through with
+    the reason counted — the same loss and gradients as without the patch."""
     cfg = copy.deepcopy(_configs()["llama"])
     cfg.attention_dropout = 0.1
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="gproj", dtype=torch.bfloat16).train()
     ids, mask, labels = _batch(False)
+    torch.manual_seed(0)
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
     s = gproj_patch.stats()
-    assert torch.isfinite(loss) and s["fp32"] == cfg.num_hidden_layers
+    assert s["forward"].get("original") == cfg.num_hidden_layers and s["fp32"] == s["gproj"] == 0
     assert any("dropout" in r for r in s["fallback_reasons"])
+    model.zero_grad()
+    model.set_attn_implementation("sdpa")
+    gproj_patch.disable()
+    torch.manual_seed(0)
+    ref = model(input_ids=ids, labels=labels).loss
+    ref.backward()
+    assert torch.equal(loss, ref)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
 
 
 def test_enable_defers_transformers_until_its_modeling_code_is_imported():

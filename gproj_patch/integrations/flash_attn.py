@@ -15,6 +15,16 @@ its autograd Functions) is replaced as a module attribute.
 
 Arguments are read by name (bound against the original function's signature), so the one replacement serves
 every schema; an argument it does not know that is set to a non-default value sends the call to the original.
+
+Records. The forward ops (``_flash_attn_forward`` / ``_flash_attn_varlen_forward``, FA3's, FA4's
+``_flash_attn_fwd``) are wrapped too: each call's context (mode, tier option, layer name of the scope open at
+the forward, policy options) is recorded against the LSE tensor it returns (``records.py``), and the backward,
+which receives that same LSE, reads it back. The problem (scale, causal, window, softcap, varlen offsets) comes
+from the backward's arguments, which flash-attn's autograd Functions saved at the forward.
+
+FA4's functions are replaced by a proxy that forwards attribute reads and writes to the function it replaces:
+FA4 keeps its JIT cache on the function object (``_flash_attn_bwd.compile_cache``, read through the module
+global), so the original path keeps working while the patch is on.
 """
 from __future__ import annotations
 
@@ -26,14 +36,21 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import config, layer_context, telemetry
-from ..backends import dispatch
+from .. import telemetry
+from ..backends import compat
+from ..record import CallRecord, Problem
+from ..router import BackwardTensors, run_backward
+from . import fa_records
 
 logger = logging.getLogger("gproj_patch")
 
 FA2_OPS = ("flash_attn::_flash_attn_backward", "flash_attn::_flash_attn_varlen_backward",
            "flashattn::_flash_attn_backward", "flashattn::_flash_attn_varlen_backward")
 FA3_OPS = ("flash_attn_3::_flash_attn_backward",)
+FORWARD_OPS = ("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward",
+               "flashattn::_flash_attn_forward", "flashattn::_flash_attn_varlen_forward",
+               "flash_attn_3::_flash_attn_forward")
+FA4_FWD = "_flash_attn_fwd"
 FA_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn_3", "flash_attn.cute")
 FA4_MODULE, FA4_FN = "flash_attn.cute.interface", "_flash_attn_bwd"
 DEVICE_TYPE = "cuda"  # the kernels install() replaces (flash-attn registers CUDA kernels only)
@@ -101,15 +118,15 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
                           fake: Optional[Callable[[], torch.Tensor]] = None):
     """The replacement body: ``b`` holds the call's arguments by name; ``original()`` runs the saved kernel;
     ``fake()`` (optional) builds the op's auxiliary return value with the op's own shape."""
-    cfg = config.active() or config.Config()
+    q, k, v = _arg(b, "q"), _arg(b, "k"), _arg(b, "v")
+    lse = _arg(b, "softmax_lse", "lse")
+    context = fa_records.context_for(lse, source)
     reason = _fallback_reason(b)
-    q = _arg(b, "q")
-    k, v = _arg(b, "k"), _arg(b, "v")
-    if reason is not None or cfg.mode == "off":
+    if reason is not None or context.mode == "off":
         telemetry.record_backward("original", reason, telemetry.shape_class(source, q, k))
         return original()
     varlen = _arg(b, "cu_seqlens_q") is not None
-    do, o, lse = _arg(b, "dout", "do"), _arg(b, "out", "o"), _arg(b, "softmax_lse", "lse")
+    do, o = _arg(b, "dout", "do"), _arg(b, "out", "o")
     if do.shape[-1] < v.shape[-1]:  # head dim padded to a multiple of 8 by the caller, dout not
         do = torch.nn.functional.pad(do, [0, v.shape[-1] - do.shape[-1]])
     q4, k4, v4, o4, do4 = (_to_bhsd(t, varlen) for t in (q, k, v, o, do))
@@ -126,13 +143,12 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
     wl, wr = int(_arg(b, "window_size_left", default=-1)), int(_arg(b, "window_size_right", default=-1))
     if causal and wr > 0:
         wr = -1
-    grads = dispatch.corrected_backward(
-        do4, q4, k4, v4, o4, lse, scale=_arg(b, "softmax_scale"), causal=causal, causal_align="bottom_right",
-        window=(wl, wr), softcap=float(_arg(b, "softcap", default=0.0)), cu_seqlens_q=_arg(b, "cu_seqlens_q"),
-        cu_seqlens_k=_arg(b, "cu_seqlens_k"), max_seqlen_q=_arg(b, "max_seqlen_q"),
-        max_seqlen_k=_arg(b, "max_seqlen_k"), mode=cfg.mode, layer=layer_context.current_layer() or source,
-        original=run_original, source=source, tier_option=cfg.tier,
-        deterministic=bool(_arg(b, "deterministic", default=False)) or cfg.deterministic)
+    scale = _arg(b, "softmax_scale")
+    problem = Problem(scale=float(scale) if scale is not None else q.shape[-1] ** -0.5, causal=causal,
+                      causal_align="bottom_right", window=(wl, wr), softcap=float(_arg(b, "softcap", default=0.0)),
+                      cu_seqlens_q=_arg(b, "cu_seqlens_q"), cu_seqlens_k=_arg(b, "cu_seqlens_k"),
+                      max_seqlen_q=_arg(b, "max_seqlen_q"), max_seqlen_k=_arg(b, "max_seqlen_k"))
+    grads = run_backward(CallRecord(problem, context), BackwardTensors(do4, q4, k4, v4, o4, lse), run_original)
     if "ret" in result:  # the original kernel ran and filled the buffers itself
         return result["ret"]
     outs = []
@@ -153,8 +169,24 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
 # custom-op kernels
 
 def _opdef(qualname: str):
-    from torch._library.custom_ops import OPDEFS
-    return OPDEFS.get(qualname)
+    return compat.custom_op_def(qualname)
+
+
+def _source(qualname: str) -> str:
+    return qualname.split("::")[0].replace("flashattn", "flash_attn") + ":" + \
+        ("varlen" if "varlen" in qualname else "dense")
+
+
+def _register(opdef, device_type: str, kernel: Callable) -> Callable[[], None]:
+    """Register ``kernel`` for ``device_type``; returns ``restore`` (puts the previous kernel back by identity)."""
+    previous = compat.custom_op_kernel(opdef, device_type)
+    kernel.__gproj_patched__ = True
+    opdef.register_kernel(device_type)(kernel)
+
+    def restore():
+        if compat.custom_op_kernel(opdef, device_type) is not previous:
+            compat.set_custom_op_kernel(opdef, device_type, previous)
+    return restore
 
 
 def patch_op(qualname: str, device_type: str = "cuda") -> Callable[[], None]:
@@ -166,40 +198,41 @@ def patch_op(qualname: str, device_type: str = "cuda") -> Callable[[], None]:
     opdef = _opdef(qualname)
     if opdef is None:
         raise LookupError(f"{qualname} is not a torch.library.custom_op")
-    previous = opdef._backend_fns.get(device_type)
+    previous = compat.custom_op_kernel(opdef, device_type)
     if previous is None:
         raise LookupError(f"{qualname} has no {device_type} kernel to replace")
-    signature = inspect.signature(opdef._init_fn)
-    source = qualname.split("::")[0].replace("flashattn", "flash_attn") + ":" + \
-        ("varlen" if "varlen" in qualname else "dense")
+    signature = inspect.signature(compat.custom_op_signature_fn(opdef))
+    source = _source(qualname)
 
     def kernel(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        fake = opdef._abstract_fn
+        fake = compat.custom_op_fake(opdef)
         return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), source,
                                      fake=None if fake is None else (lambda: fake(*args, **kwargs)))
-
-    kernel.__gproj_patched__ = True
-    opdef.register_kernel(device_type)(kernel)
-
-    def restore():
-        if opdef._backend_fns.get(device_type) is not previous:
-            opdef._backend_fns[device_type] = previous
-    return restore
+    return _register(opdef, device_type, kernel)
 
 
-def _patch_attr(module, name: str, source: str) -> Callable[[], None]:
+def patch_forward_op(qualname: str, device_type: str = "cuda") -> Callable[[], None]:
+    """Wrap a flash-attn forward op's kernel so each call files its record (output untouched)."""
+    opdef = _opdef(qualname)
+    previous = compat.custom_op_kernel(opdef, device_type)
+    return _register(opdef, device_type, fa_records.recording(previous, _source(qualname)))
+
+
+def _patch_attr(module, name: str, source: str, backward: bool) -> Callable[[], None]:
     previous = getattr(module, name)
-    signature = inspect.signature(previous)
+    if backward:
+        signature = inspect.signature(previous)
 
-    def replacement(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), source,
-                                     returns="grads")
-
-    replacement.__gproj_patched__ = True
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), source,
+                                         returns="grads")
+    else:
+        call = fa_records.recording(previous, source)
+    replacement = fa_records.FunctionProxy(previous, call)
     setattr(module, name, replacement)
 
     def restore():
@@ -215,6 +248,11 @@ def _importable(name: str) -> bool:
         return False
 
 
+def _has_kernel(qualname: str) -> bool:
+    opdef = _opdef(qualname)
+    return opdef is not None and compat.custom_op_kernel(opdef, DEVICE_TYPE) is not None
+
+
 def install() -> str:
     if _installed:
         return "installed"
@@ -223,17 +261,27 @@ def install() -> str:
             try:
                 importlib.import_module(mod)
             except Exception as exc:  # a broken build must not break enable()
-                logger.warning("gproj_patch: importing %s failed (%s); not patched", mod, exc)
+                logger.warning("importing %s failed (%s); not patched", mod, exc)
     done: Dict[str, Callable[[], None]] = {}
-    for qualname in FA2_OPS + FA3_OPS:
-        if _opdef(qualname) is not None and DEVICE_TYPE in _opdef(qualname)._backend_fns:
-            done[qualname] = patch_op(qualname, DEVICE_TYPE)
     try:
-        fa4 = importlib.import_module(FA4_MODULE) if _importable("flash_attn.cute") else None
-    except Exception:
-        fa4 = None
-    if fa4 is not None and hasattr(fa4, FA4_FN):
-        done[f"{FA4_MODULE}.{FA4_FN}"] = _patch_attr(fa4, FA4_FN, "flash_attn_4:dense")
+        for qualname in FA2_OPS + FA3_OPS:
+            if _has_kernel(qualname):
+                done[qualname] = patch_op(qualname, DEVICE_TYPE)
+        for qualname in FORWARD_OPS:
+            if _has_kernel(qualname):
+                done[qualname] = patch_forward_op(qualname, DEVICE_TYPE)
+        try:
+            fa4 = importlib.import_module(FA4_MODULE) if _importable("flash_attn.cute") else None
+        except Exception:
+            fa4 = None
+        if fa4 is not None and hasattr(fa4, FA4_FN):
+            done[f"{FA4_MODULE}.{FA4_FN}"] = _patch_attr(fa4, FA4_FN, "flash_attn_4:dense", backward=True)
+            if hasattr(fa4, FA4_FWD):
+                done[f"{FA4_MODULE}.{FA4_FWD}"] = _patch_attr(fa4, FA4_FWD, "flash_attn_4:dense", backward=False)
+    except BaseException:
+        for restore in reversed(list(done.values())):
+            restore()
+        raise
     _installed.extend(done.items())
     if not done:
         return "skipped: flash-attn not installed"

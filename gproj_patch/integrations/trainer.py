@@ -115,9 +115,9 @@ class GProjCallback(TrainerCallback):
             if e["from"] == "original" and e["layer"] not in self.warned:
                 self.warned.add(e["layer"])
                 logger.warning(
-                    "gproj_patch: layer %s entered the large-key regime at step %d (R_k=%.3g, predicted dq leak "
+                    "layer %s entered the large-key regime at step %d (R_k=%.3g, predicted dq leak "
                     "%.2g%%, R_q=%.3g, p_sink=%.2f): its backward now runs the %s tier (warned once per layer)",
-                    e["layer"], e["step"], e["r_k"], 100 * e["leak_dq"], e["r_q"], e["p_sink"], e["to"])
+                    e["layer"], e["step"], e["r_k"], 100 * e["leak_dq"], e["r_q"], e["p_sink"], e.get("ran", e["to"]))
 
     # --- logging -------------------------------------------------------------------------------------------
     def metrics(self) -> Dict[str, float]:

@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from .. import autograd
+from ..backends import compat
+from ..ops import sdpa as sdpa_op
 
 logger = logging.getLogger("gproj_patch")
 
@@ -56,7 +57,7 @@ def gproj_attention_forward(module, query, key, value, attention_mask, dropout: 
     layer = None
     if getattr(module, "layer_idx", None) is not None:
         layer = f"{type(module).__name__}.{module.layer_idx}"
-    out = autograd.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
+    out = sdpa_op.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
                         scale=scaling, enable_gqa=enable_gqa, layer=layer)
     return out.transpose(1, 2).contiguous(), None
 
@@ -84,7 +85,7 @@ def _register_on_import() -> None:
     _pending = None
     status = _register()
     if not status.startswith("installed"):
-        logger.warning("gproj_patch: could not register the 'gproj' attention: %s", status)
+        logger.warning("could not register the 'gproj' attention: %s", status)
 
 
 def _register() -> str:
@@ -94,8 +95,8 @@ def _register() -> str:
         from transformers.modeling_utils import AttentionInterface
     except ImportError as exc:
         return f"skipped: transformers not importable ({exc})"
-    _saved = {"attention": AttentionInterface._global_mapping.get(NAME, _MISSING),
-              "mask": AttentionMaskInterface._global_mapping.get(NAME, _MISSING)}
+    _saved = {"attention": compat.hf_registry_mapping(AttentionInterface).get(NAME, _MISSING),
+              "mask": compat.hf_registry_mapping(AttentionMaskInterface).get(NAME, _MISSING)}
     AttentionInterface.register(NAME, gproj_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return "installed"
@@ -112,8 +113,9 @@ def uninstall() -> None:
     from transformers.modeling_utils import AttentionInterface
     for registry, key in ((AttentionInterface, "attention"), (AttentionMaskInterface, "mask")):
         previous = _saved[key]
+        mapping = compat.hf_registry_mapping(registry)
         if previous is _MISSING:
-            registry._global_mapping.pop(NAME, None)
+            mapping.pop(NAME, None)
         else:
-            registry._global_mapping[NAME] = previous
+            mapping[NAME] = previous
     _saved = None

@@ -1,0 +1,128 @@
+"""Every private upstream API the package touches, in one place, with the versions it was checked against.
+
+Each touch-point is a small function that either does its job or raises ``CompatError`` naming what changed —
+never a silently wrong result. ``tests/test_compat.py`` exercises each one on the installed versions, so an
+upstream change fails loudly in CI. Checked against: torch 2.11.0+cu130 (the H200 image) and 2.13.0 (CPU);
+transformers 5.17 (H200) and 5.24 (CPU); triton 3.6.0.
+
+| touch-point | upstream private name | used by |
+|---|---|---|
+| ``fused_sdpa_lse(grad_fn)`` | ``ScaledDotProduct{Cudnn,Flash,FlashForCpu,Efficient}AttentionBackward0`` and their ``_saved_logsumexp`` / ``_saved_log_sumexp`` | SDPA hook |
+| ``custom_op_def(qualname)`` | ``torch._library.custom_ops.OPDEFS``; ``CustomOpDef._backend_fns``, ``_init_fn``, ``_abstract_fn`` | flash-attn hook |
+| ``hf_registry_mapping(registry)`` | ``transformers`` ``AttentionInterface._global_mapping`` (and the mask interface's) | HF hook |
+| ``triton_interpreter_index_patch()`` | ``triton.runtime.interpreter._patch_lang_tensor`` | Triton kernel on CPU |
+
+This module imports nothing from the rest of the package.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+class CompatError(RuntimeError):
+    """An upstream private API is not what this version of gproj_patch was written against."""
+
+
+# ---- PyTorch SDPA: the LSE saved by the fused autograd node ------------------------------------------------
+FUSED_SDPA_NODES = ("ScaledDotProductCudnnAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
+                    "ScaledDotProductFlashAttentionForCpuBackward0", "ScaledDotProductEfficientAttentionBackward0",
+                    "ScaledDotProductFusedAttentionOverrideableBackward0")
+_LSE_ATTRS = ("_saved_logsumexp", "_saved_log_sumexp")
+_SEARCH_DEPTH = 4  # SDPA wraps the fused op in at most a transpose/view or two
+
+
+def fused_sdpa_node(grad_fn) -> Optional[Any]:
+    """The fused SDPA autograd node behind ``grad_fn`` (an SDPA output's), or None (the math backend)."""
+    frontier = [grad_fn]
+    for _ in range(_SEARCH_DEPTH):
+        nxt = []
+        for f in frontier:
+            if f is None:
+                continue
+            if type(f).__name__ in FUSED_SDPA_NODES:
+                return f
+            nxt.extend(g for g, _ in f.next_functions)
+        frontier = nxt
+    return None
+
+
+def fused_sdpa_lse(grad_fn) -> Optional[torch.Tensor]:
+    """The natural-log LSE saved by the fused SDPA node behind ``grad_fn``, or None when no fused node ran.
+    Raises CompatError if a fused node is there but keeps its LSE under another name."""
+    node = fused_sdpa_node(grad_fn)
+    if node is None:
+        return None
+    for attr in _LSE_ATTRS:
+        if hasattr(node, attr):
+            return getattr(node, attr)
+    raise CompatError(f"{type(node).__name__} has none of {_LSE_ATTRS}: PyTorch renamed the saved LSE")
+
+
+# ---- torch.library custom ops (flash-attn's backward ops) --------------------------------------------------
+def custom_op_def(qualname: str):
+    """The ``CustomOpDef`` of a ``torch.library.custom_op`` named ``qualname``, or None if none is defined."""
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError as exc:
+        raise CompatError(f"torch._library.custom_ops.OPDEFS is gone ({exc})") from exc
+    opdef = OPDEFS.get(qualname)
+    if opdef is not None:
+        for attr in ("_backend_fns", "_init_fn", "register_kernel"):
+            if not hasattr(opdef, attr):
+                raise CompatError(f"CustomOpDef has no {attr!r}: torch changed custom ops")
+    return opdef
+
+
+def custom_op_kernel(opdef, device_type: str):
+    """The kernel registered for ``device_type`` on ``opdef`` (None if none)."""
+    return opdef._backend_fns.get(device_type)
+
+
+def set_custom_op_kernel(opdef, device_type: str, fn) -> None:
+    """Put ``fn`` back as ``opdef``'s kernel for ``device_type`` (by identity; the public API only adds)."""
+    opdef._backend_fns[device_type] = fn
+
+
+def custom_op_fake(opdef):
+    """The op's fake (abstract) implementation, or None."""
+    return getattr(opdef, "_abstract_fn", None)
+
+
+def custom_op_signature_fn(opdef):
+    """The Python function the op was defined from (its signature names the arguments)."""
+    return opdef._init_fn
+
+
+# ---- Transformers' attention registries --------------------------------------------------------------------
+def hf_registry_mapping(registry) -> dict:
+    """The global name → function mapping of an HF ``AttentionInterface`` / ``AttentionMaskInterface``."""
+    mapping = getattr(registry, "_global_mapping", None)
+    if not isinstance(mapping, dict):
+        raise CompatError(f"{registry!r} has no dict _global_mapping: transformers changed its registries")
+    return mapping
+
+
+# ---- Triton's interpreter ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def triton_interpreter_index_patch() -> Iterator[None]:
+    """Triton 3.6's interpreter converts loop bounds with ``int(ndarray of shape (1,))``, which numpy >= 2.4
+    rejects; while interpreted kernels run, convert through ``.reshape(-1)[0]`` instead."""
+    try:
+        import triton.runtime.interpreter as ti
+        orig = ti._patch_lang_tensor
+    except (ImportError, AttributeError):  # other triton versions: nothing to patch
+        yield
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched
+    try:
+        yield
+    finally:
+        ti._patch_lang_tensor = orig

@@ -1,0 +1,194 @@
+"""SDPA with its own fused forward and the corrected backward (eager path; ``sdpa_compiled.py`` under compile).
+
+``sdpa(...)`` has ``F.scaled_dot_product_attention``'s semantics. When a gradient is needed and the inputs are
+plain BF16/FP16 tensors, ``_SdpaFunction`` runs the *original* SDPA itself, on detached aliases of q, k, v that
+require grad, so PyTorch picks and runs exactly the kernel it would have picked (``sdpa_kernel``, head-dim
+padding, mask handling): the output is the unpatched output, bit for bit. The LSE is read from the fused node
+that call created (``compat.fused_sdpa_lse``). That inner graph is dropped at once, except in ``auto``/``audit``,
+where ``torch.autograd.grad`` on it *is* the original backward when the policy picks it.
+
+The call's record (``record.py``) is made here, at the forward; the backward hands it to the router.
+
+Everything that cannot be corrected exactly runs the original function untouched (reason counted): tensor
+subclasses (DTensor, nested, FakeTensor, ...), dropout > 0 (a fused kernel's dropout mask cannot be replayed by
+another backward), empty inputs, non-4-D inputs, broadcast batches, masks that require grad, a mask together
+with ``is_causal``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .. import telemetry
+from ..backends.compat import fused_sdpa_lse
+from ..backends.spec import LOW_PRECISION, default_scale
+from ..config import Config
+from ..record import CallRecord, Problem, make_context
+from ..router import BackwardTensors, run_backward
+from .masks import mask_as_flags, padding_as_flags
+
+C_SDPA = torch._C._nn.scaled_dot_product_attention
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class _Original:
+    """The SDPA function the hook replaced (``integrations/sdpa.py`` sets it while installed)."""
+    fn: Callable = C_SDPA
+
+
+def original_sdpa() -> Callable:
+    return _Original.fn
+
+
+def set_original(fn: Optional[Callable]) -> None:
+    _Original.fn = C_SDPA if fn is None else fn
+
+
+def _detach_pack(t: Tensor) -> Tensor:
+    return t.detach()
+
+
+def _identity_unpack(t: Tensor) -> Tensor:
+    return t
+
+
+def run_original_with_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    """(inner output with its graph, lse or None, (qi, ki, vi)): the original SDPA on aliases that require grad.
+
+    Saved-tensor hooks: under activation checkpointing the inner node's saved tensors would be packed by the
+    checkpoint, and reading its LSE would re-run the checkpointed block; these hooks keep them. The pack hook
+    stores a *detached* alias: storing the tensor itself would put an output inside its own grad_fn, a reference
+    cycle through C++ that Python's collector cannot see (every call's tensors would leak)."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_detach_pack, _identity_unpack):
+        qi, ki, vi = (t.detach().requires_grad_() for t in (q, k, v))
+        inner = _Original.fn(qi, ki, vi, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                             enable_gqa=enable_gqa)
+    return inner, fused_sdpa_lse(inner.grad_fn), (qi, ki, vi)
+
+
+def problem_for(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float]) -> Problem:
+    """The call's problem: a mask that is exactly a causal / window pattern becomes flags (at the forward)."""
+    mask, causal, align, window = mask_as_flags(attn_mask, q.shape[2], k.shape[2])
+    if is_causal:
+        causal, align = True, "top_left"
+    return Problem(scale=default_scale(q.shape[-1], scale), causal=causal, causal_align=align, window=window,
+                   attn_mask=mask, padded=mask is not None)
+
+
+def backward_tensors(record: CallRecord, do, q, k, v, out, lse):
+    """(tensors, problem) for the router: a recorded mask that is right padding around causal flags, with zero
+    dO on the padded rows, goes to the kernel as flags plus dead rows (exact)."""
+    problem, dead = record.problem, None
+    if problem.padded:
+        padded = padding_as_flags(problem.attn_mask, do, q.shape[2], k.shape[2])
+        if padded is not None:
+            window, dead = padded
+            problem = Problem(scale=problem.scale, causal=True, causal_align="top_left", window=window)
+            record = CallRecord(problem, record.context)
+    return BackwardTensors(do, q, k, v, out, lse, dead_rows=dead), record
+
+
+class _SdpaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, record: CallRecord, is_causal: bool, scale, enable_gqa: bool):
+        inner, lse, aliases = run_original_with_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+        ctx.record = record
+        ctx.inner = (inner, aliases) if record.context.mode in ("auto", "audit") else None
+        out = inner.detach()
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        original = None
+        if ctx.inner is not None:
+            inner, aliases = ctx.inner
+
+            def original():
+                return torch.autograd.grad(inner, aliases, do)
+        tensors, record = backward_tensors(ctx.record, do, q, k, v, out, lse)
+        grads = run_backward(record, tensors, original)
+        ctx.inner = None
+        return grads[0], grads[1], grads[2], None, None, None, None, None
+
+
+def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Optional[str]:
+    """Why this SDPA call keeps the original path (None: it gets the corrected backward)."""
+    subclass = [type(t).__name__ for t in (q, k, v, attn_mask) if t is not None and type(t) not in _PLAIN]
+    if subclass:
+        return f"tensor subclass {', '.join(dict.fromkeys(subclass))} (dispatches SDPA itself)"
+    if any(t.is_nested for t in (q, k, v)):
+        return "nested tensors"
+    if any(t.numel() == 0 for t in (q, k, v)):
+        return "empty input"
+    if dropout_p > 0.0:
+        return "dropout > 0 (the fused kernel's dropout mask cannot be replayed by another backward)"
+    if attn_mask is not None and is_causal:
+        return "attn_mask together with is_causal (the original decides what that means)"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "inputs are not 4-D (B, H, S, D)"
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        return "broadcast batch dimensions"
+    if attn_mask is not None and attn_mask.requires_grad:
+        return "attn_mask requires grad"
+    return None
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The low-precision dtype autocast would run SDPA in on this device, or None."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            return dtype if dtype in LOW_PRECISION else None
+    except (AttributeError, RuntimeError, TypeError):  # torch without per-device autocast queries
+        pass
+    return None
+
+
+def _needs_correction(query, key, value, mode: str) -> bool:
+    return (mode != "off" and torch.is_grad_enabled() and query.dtype in LOW_PRECISION
+            and (query.requires_grad or key.requires_grad or value.requires_grad))
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+         *, cfg: Optional[Config] = None, layer: Optional[str] = None):
+    """SDPA's semantics; the corrected backward when a gradient is needed and the inputs are BF16/FP16.
+
+    ``cfg``: the options when the patch is not enabled (``gproj_patch.attention``); ``layer`` names the call for
+    the policy when no ``layer_scope`` is open (else ``call{n}``)."""
+    from .. import config
+    cfg = config.active() or cfg or config.Config()
+    orig = _Original.fn
+    if (query.dtype == torch.float32 and cfg.mode != "off" and torch.is_grad_enabled()
+            and type(query) in _PLAIN):
+        low = _autocast_dtype(query.device.type)
+        if low is not None:  # autocast would run SDPA in low precision (and leak): cast as autocast does
+            query, key, value = (t.to(low) for t in (query, key, value))
+    if not _needs_correction(query, key, value, cfg.mode):
+        return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal)
+    compiling = torch.compiler.is_compiling()
+    if reason is not None:
+        if not compiling:
+            telemetry.record_forward("original", f"sdpa: {reason}", telemetry.shape_class("sdpa", query, key))
+        return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    if compiling:
+        from .sdpa_compiled import compiled_sdpa
+        return compiled_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, cfg=cfg, layer=layer)
+    if k_heads_mismatch(query, key, enable_gqa):
+        return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)  # the original raises its own error
+    telemetry.record_forward("patched")
+    record = CallRecord(problem_for(query, key, attn_mask, is_causal, scale), make_context("sdpa", layer, cfg))
+    return _SdpaFunction.apply(query, key, value, attn_mask, record, bool(is_causal), scale, bool(enable_gqa))
+
+
+def k_heads_mismatch(query, key, enable_gqa) -> bool:
+    """True for a call the original SDPA rejects (different head counts without ``enable_gqa``)."""
+    return key.shape[1] != query.shape[1] and not enable_gqa

@@ -1,0 +1,143 @@
+"""The SDPA hook under ``torch.compile``: custom ops ``gproj::sdpa_fwd`` / ``gproj::sdpa_bwd``, opaque to Dynamo.
+
+Inside ``sdpa_fwd`` the output is the original SDPA under ``no_grad`` (same bits) and the call's context is made
+(``record.make_context``, at the forward, at run time) and interned: its index travels to the backward in the
+``aux`` output, with the problem's scalars as op arguments and the mask as an op input, so the backward reads
+only what the forward recorded. No autograd node is reachable inside a custom op, so on CUDA the LSE is
+recomputed: by the Triton LSE kernel (``triton_bwd.attention_lse``, a forward without V) without a mask, else by
+a chunked FP32 pass. In ``auto``/``audit`` a policy choice of "original" runs an uncorrected stand-in (the real
+fused backward is unreachable from inside the op), with that reason logged.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..backends.spec import default_scale
+from ..config import Config
+from ..record import CallRecord, Context, make_context
+from ..router import kernel_reason, run_backward
+from .sdpa import backward_tensors, original_sdpa, problem_for
+
+STAND_IN_REASON = "torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in"
+_CHUNK_ROWS = 256
+
+_lock = threading.Lock()
+_CONTEXTS: List[Context] = []          # interned: one entry per distinct context (layers × options), bounded
+_CONTEXT_INDEX: Dict[Context, int] = {}
+
+
+def _intern(ctx: Context) -> int:
+    with _lock:
+        idx = _CONTEXT_INDEX.get(ctx)
+        if idx is None:
+            idx = _CONTEXT_INDEX[ctx] = len(_CONTEXTS)
+            _CONTEXTS.append(ctx)
+        return idx
+
+
+def lse_fp32(q, k, attn_mask, is_causal, scale, chunk: int = _CHUNK_ROWS) -> Tensor:
+    """Natural-log LSE (B, Hq, Sq) fp32 of SDPA's scores, one chunked FP32 pass (GQA by head grouping)."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    kf = k.float()
+    out = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    cols = torch.arange(Sk, device=q.device)
+    for s0 in range(0, Sq, chunk):
+        s1 = min(Sq, s0 + chunk)
+        qc = q[:, :, s0:s1].float().reshape(B, Hkv, g * (s1 - s0), D)
+        s = (scale * torch.matmul(qc, kf.transpose(-1, -2))).reshape(B, Hq, s1 - s0, Sk)
+        if is_causal:
+            rows = torch.arange(s0, s1, device=q.device)
+            s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        if attn_mask is not None:
+            mb = attn_mask[..., s0:s1, :] if attn_mask.dim() >= 2 and attn_mask.shape[-2] == Sq else attn_mask
+            s = s.masked_fill(~mb, float("-inf")) if mb.dtype == torch.bool else s + mb.float()
+        out[:, :, s0:s1] = torch.logsumexp(s, dim=-1)
+    return out
+
+
+def _recomputed_lse(q, k, attn_mask, is_causal, scale) -> Tensor:
+    """The LSE the backward needs: one Triton launch (a forward without V) where the kernel applies, else a
+    chunked FP32 pass."""
+    if attn_mask is None:
+        try:
+            from ..backends.triton_bwd import attention_lse, kernel_unsupported_reason
+        except ImportError:
+            attention_lse = None
+        if attention_lse is not None and kernel_unsupported_reason(q, k, k) is None:
+            return attention_lse(q, k, scale=scale, causal=is_causal)
+    return lse_fp32(q, k, attn_mask, is_causal, scale)
+
+
+@torch.library.custom_op("gproj::sdpa_fwd", mutates_args=())
+def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+              scale: Optional[float], enable_gqa: bool, layer: str, mode: str) -> Tuple[Tensor, Tensor, Tensor]:
+    with torch.no_grad():
+        out = original_sdpa()(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                              enable_gqa=enable_gqa)
+    if q.device.type == "cuda":
+        lse = _recomputed_lse(q, k, attn_mask, is_causal, default_scale(q.shape[-1], scale))
+    else:  # the CPU tiers need no LSE
+        lse = q.new_empty((0,), dtype=torch.float32)
+    from .. import config
+    cfg = config.active() or config.resolve(mode=mode)
+    aux = torch.tensor([_intern(make_context("sdpa", layer or None, cfg))], dtype=torch.int64)
+    return out.contiguous(), lse, aux
+
+
+@_sdpa_fwd.register_fake
+def _(q, k, v, attn_mask, is_causal, scale, enable_gqa, layer, mode):
+    out = q.new_empty(q.shape[:3] + (v.shape[3],))
+    lse = q.new_empty(q.shape[:3] if q.device.type == "cuda" else (0,), dtype=torch.float32)
+    return out, lse, torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("gproj::sdpa_bwd", mutates_args=())
+def _sdpa_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor],
+              aux: Tensor, is_causal: bool, scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
+    context = _CONTEXTS[int(aux[0])]
+    record = CallRecord(problem_for(q, k, attn_mask, is_causal, scale), context)
+    tensors, record = backward_tensors(record, do, q, k, v, out, lse if lse.numel() else None)
+
+    def stand_in():
+        p = record.problem
+        if kernel_reason(tensors, p) is None:
+            from ..backends.triton_bwd import gproj_backward
+            return gproj_backward(tensors.do, q, k, v, out, tensors.lse, scale=p.scale, correct=False, **p.flags)
+        from ..backends.fp32_tier import fp32_backward
+        return fp32_backward(q, k, v, do, attn_mask=p.attn_mask, project=False, scale=p.scale, check_finite=False,
+                             **p.flags)
+    dq, dk, dv = run_backward(record, tensors, stand_in, stand_in_reason=STAND_IN_REASON)[:3]
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_sdpa_bwd.register_fake
+def _(do, q, k, v, out, lse, attn_mask, aux, is_causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real op
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, attn_mask, is_causal, scale, _gqa, _layer, _mode = inputs
+    out, lse, aux = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, aux)
+    ctx.args = (is_causal, scale)
+
+
+def _fwd_backward(ctx, dout, _dlse, _daux):
+    q, k, v, out, lse, attn_mask, aux = ctx.saved_tensors
+    dq, dk, dv = _sdpa_bwd(dout, q, k, v, out, lse, attn_mask, aux, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_sdpa_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
+
+
+def compiled_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, cfg: Config,
+                  layer: Optional[str]) -> Tensor:
+    return _sdpa_fwd(query, key, value, attn_mask, bool(is_causal), scale, bool(enable_gqa), layer or "",
+                     cfg.mode)[0]

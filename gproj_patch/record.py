@@ -1,0 +1,77 @@
+"""The record of one attention call, made at its forward; its backward reads nothing else.
+
+``CallRecord = (Problem, Context)``. ``Problem`` is the math of the call (scale, causal and its alignment,
+window, softcap, varlen offsets, the mask the kernel cannot take as flags, dropout, sink); ``Context`` is how
+the patch was asked to run it (mode, tier option, layer name, source hook, policy options). Both are frozen and
+built once, on the forward, from the arguments and the configuration active *then*: options changed and
+``disable()`` called between a forward and its backward change nothing for that call, and the layer name is
+the one whose scope was open at the forward.
+
+Every hook makes one: the SDPA function (eager and compiled), the flash-attn forward ops (FA2/FA3) and FA4's
+forward, the HF ``"gproj"`` function and ``gproj_patch.attention``. ``Context`` holds no tensors, so it is
+hashable and can be interned (the compiled SDPA path passes its index through the graph).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch
+
+from . import config as _config
+from .layer_context import current_layer, layer_id
+from .policy import effective_config
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    scale: float
+    causal: bool = False
+    causal_align: str = "top_left"
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+    attn_mask: Optional[torch.Tensor] = None     # a mask the kernel cannot take as flags (FP32 tier)
+    padded: bool = False                         # attn_mask may be right/left padding around the flags
+    dropout_p: float = 0.0
+    dropout_mask: Optional[torch.Tensor] = None  # the fused forward's keep mask, recovered exactly
+    sink: Optional[torch.Tensor] = None          # learnable per-head sink logits (H,)
+
+    def __post_init__(self):
+        if self.causal_align not in ALIGNMENTS:
+            raise ValueError(f"causal_align must be one of {ALIGNMENTS}, got {self.causal_align!r}")
+
+    @property
+    def flags(self) -> dict:
+        """The keyword arguments every backend takes for the mask pattern."""
+        return dict(causal=self.causal, causal_align=self.causal_align, window=self.window, softcap=self.softcap,
+                    cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k)
+
+
+@dataclass(frozen=True)
+class Context:
+    mode: str
+    tier_option: str
+    layer: str
+    source: str
+    policy: _config.PolicyConfig = field(default_factory=_config.PolicyConfig)
+
+
+@dataclass(frozen=True, eq=False)
+class CallRecord:
+    problem: Problem
+    context: Context
+
+
+def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config.Config] = None) -> Context:
+    """The context of a call whose forward runs now: the active configuration (else ``cfg``, else the
+    environment's), and the layer name of the open ``layer_scope``, else ``layer``, else ``call{n}``."""
+    cfg = _config.active() or cfg or _config.resolve()
+    name = current_layer() or layer or layer_id()
+    return Context(mode=cfg.mode, tier_option=cfg.tier, layer=name, source=source,
+                   policy=effective_config(cfg.policy))

@@ -1,0 +1,131 @@
+"""The router: one attention backward, from its forward's record to gradients, through one tier.
+
+``run_backward(record, tensors, original)`` picks the tier the record's context asks for, runs it, counts it
+(``telemetry``), logs why it fell back (once per reason and shape class) and, in ``audit`` mode, reports to the
+policy. Tiers:
+
+* ``"gproj"`` — the GProj Triton kernel (``backends.triton_bwd.gproj_backward``);
+* ``"fp32"`` — attention recomputed in FP32 with the projection (``backends.fp32_tier.fp32_backward``);
+* ``"original"`` — the caller's own uncorrected backward (``original()``, given by the hook).
+
+Modes: ``gproj`` → the kernel where ``kernel_reason`` is None, else the FP32 tier; ``fp32`` → the FP32 tier;
+``off`` → original; ``auto``/``audit`` → ``policy.decide`` chooses. The tier option ``fp32`` forces the FP32
+tier; ``triton`` turns a missing kernel into a ``RuntimeError``.
+
+Tensors are in the shared layout (``backends/spec.py``): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), any strides;
+gradients come back in the dtypes of q, k, v (plus the sink's gradient when the record has a sink).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from . import policy, telemetry
+from .backends.spec import normalize_lse
+from .layer_context import backward_ran
+from .record import CallRecord, Problem
+
+Grads = Tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class BackwardTensors:
+    do: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: Optional[torch.Tensor]
+    lse: Optional[torch.Tensor]       # the forward's natural-log LSE, any layout normalize_lse reads
+    dead_rows: Optional[torch.Tensor] = None  # (B, Sq) bool: rows with zero dO outside the flags (LSE := +inf)
+
+
+def kernel_reason(t: BackwardTensors, problem: Problem) -> Optional[str]:
+    """Why the GProj Triton kernel cannot take this backward (None when it can)."""
+    if problem.dropout_p > 0.0:
+        return "dropout > 0 (the kernel takes no dropout mask)"
+    if problem.sink is not None:
+        return "learnable sink"
+    try:
+        from .backends.triton_bwd import kernel_unsupported_reason
+    except ImportError as exc:  # triton missing
+        return f"no triton kernel ({exc})"
+    reason = kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask, softcap=problem.softcap)
+    if reason is None and (t.o is None or t.lse is None):
+        return "the forward returned no LSE (non-fused forward)"
+    return reason
+
+
+def _kernel_lse(lse: torch.Tensor, dead_rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """(B, H, Sq) fp32, +inf on ``dead_rows`` so that their P is 0 (exact: their dO is 0)."""
+    return lse if dead_rows is None else lse.masked_fill(dead_rows[:, None, :], float("inf"))
+
+
+def _run_kernel(t: BackwardTensors, problem: Problem) -> Grads:
+    from .backends.triton_bwd import gproj_backward
+    return gproj_backward(t.do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale,
+                          max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k, correct=True,
+                          **problem.flags)
+
+
+def _run_fp32(t: BackwardTensors, problem: Problem) -> Grads:
+    from .backends.fp32_tier import fp32_backward
+    extra = {}
+    if problem.sink is not None:
+        extra["sink"] = problem.sink
+    if problem.dropout_mask is not None:
+        extra["dropout_mask"] = problem.dropout_mask
+    return fp32_backward(t.q, t.k, t.v, t.do, attn_mask=problem.attn_mask, dropout_p=problem.dropout_p,
+                         project=True, scale=problem.scale, check_finite=False, **problem.flags, **extra)
+
+
+def _cast(grads: Grads, t: BackwardTensors) -> Grads:
+    like = (t.q, t.k, t.v)
+    return tuple(g if i >= 3 or g.dtype == like[i].dtype else g.to(like[i].dtype) for i, g in enumerate(grads))
+
+
+def choose_tier(record: CallRecord, t: BackwardTensors, has_original: bool) -> Tuple[str, Optional[str]]:
+    """(tier, fallback reason or None) for this call."""
+    ctx, problem = record.context, record.problem
+    if ctx.mode == "off":
+        return ("original", None) if has_original else ("fp32", f"{ctx.source}: no original backward available")
+    if ctx.mode == "fp32" or ctx.tier_option == "fp32":
+        return "fp32", None
+    if ctx.mode in ("auto", "audit"):
+        tier = policy.decide(record, q=t.q, k=t.k, lse=t.lse)
+        if tier == "original" and not has_original:
+            return "fp32", f"{ctx.source}: no original backward available"
+        if tier != "gproj":
+            return tier, None
+    reason = kernel_reason(t, problem)
+    if reason is None:
+        return "gproj", None
+    if ctx.tier_option == "triton":
+        raise RuntimeError(f"GPROJ_TIER=triton but the GProj kernel cannot run: {reason}")
+    return "fp32", reason
+
+
+def run_backward(record: CallRecord, t: BackwardTensors, original: Optional[Callable[[], Grads]] = None, *,
+                 stand_in_reason: Optional[str] = None) -> Grads:
+    """Gradients (dq, dk, dv[, dsink]) of one attention call through the tier its record selects.
+
+    ``original()`` computes the caller's own backward; ``stand_in_reason``, when set, says that ``original`` is
+    an uncorrected stand-in rather than the real fused backward (logged as the reason when it runs).
+    """
+    backward_ran()
+    if t.lse is not None:
+        t = BackwardTensors(t.do, t.q, t.k, t.v, t.o, normalize_lse(t.lse, *t.q.shape[:3]), t.dead_rows)
+    tier, reason = choose_tier(record, t, original is not None)
+    if tier == "original":
+        reason = stand_in_reason or reason
+        grads = original()
+    elif tier == "gproj":
+        grads = _run_kernel(t, record.problem)
+    else:
+        grads = _run_fp32(t, record.problem)
+    grads = _cast(tuple(grads), t)
+    telemetry.record_backward(tier, reason, telemetry.shape_class(record.context.source, t.q, t.k))
+    if record.context.mode in policy.MODES:
+        policy.after_backward(record, tier=tier, grads=grads, fp32_grads=lambda: _run_fp32(t, record.problem))
+    return grads

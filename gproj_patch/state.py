@@ -1,0 +1,86 @@
+"""The one runtime state of the patch: counters, step and call numbering, per-layer policy records.
+
+Everything a process accumulates while the patch runs lives in ``STATE`` (one lock); ``reset()`` clears all of
+it (``gproj_patch.reset_stats()`` calls it). What is *configuration* — the enabled ``Config``, the policy
+overrides of ``policy.configure()`` — is not state and survives a reset.
+
+One step notion. A *step* is one forward-then-backward round: the first attention forward after a backward ran
+starts a new step (or ``new_step()`` / ``set_step(n)`` say so explicitly; the Trainer callback passes
+``global_step``). Within a step, attention calls that no ``layer_scope`` names are numbered ``call0``, ``call1``,
+... in forward order, so with the usual forward-all / backward-all pattern a layer keeps its id every step. The
+policy samples a layer every ``sample_every`` steps of this same counter.
+
+This module imports nothing from the package (everyone imports it).
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any, Dict, List, Optional
+
+
+class RuntimeState:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self.lock:
+            # backward calls per tier, forward calls per path, fallback reasons (telemetry.py)
+            self.backward: Counter = Counter()
+            self.forward: Counter = Counter()
+            self.reasons: Counter = Counter()
+            self.logged: set = set()  # (reason, shape class) pairs already logged
+            # steps and call numbering
+            self.explicit_step: Optional[int] = None
+            self.implicit_step = 0
+            self.call_index = 0
+            self.backward_seen = False
+            # policy (policy.py): one LayerRecord per layer name, tier transitions, detector failure flag
+            self.layers: Dict[str, Any] = {}
+            self.events: List[Dict[str, Any]] = []
+            self.detector_failed = False
+
+    # --- steps ------------------------------------------------------------------------------------------
+    def step(self) -> int:
+        return self.explicit_step if self.explicit_step is not None else self.implicit_step
+
+    def set_step(self, step: int) -> None:
+        with self.lock:
+            if step != self.explicit_step:
+                self.call_index = 0
+                self.backward_seen = False
+            self.explicit_step = int(step)
+
+    def new_step(self) -> None:
+        with self.lock:
+            if self.explicit_step is not None:
+                self.explicit_step += 1
+            else:
+                self.implicit_step += 1
+            self.call_index = 0
+            self.backward_seen = False
+
+    def next_call_name(self) -> str:
+        """``call{n}``: the n-th unnamed attention forward of this step (a forward after a backward starts a
+        new step)."""
+        with self.lock:
+            if self.backward_seen:
+                if self.explicit_step is None:
+                    self.implicit_step += 1
+                self.call_index = 0
+                self.backward_seen = False
+            n = self.call_index
+            self.call_index += 1
+        return f"call{n}"
+
+    def backward_ran(self) -> None:
+        self.backward_seen = True
+
+
+STATE = RuntimeState()
+
+
+def reset() -> None:
+    """Clear every counter, step, layer record and event (configuration is kept)."""
+    STATE.reset()
