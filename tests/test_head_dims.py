@@ -3,8 +3,9 @@ with ``KeyError: 16`` in the per-head-dim config lookup).
 
 On CPU: the padded block_d and the block config of every head dim (the lookup the CUDA path makes, never a
 KeyError; the nearest-config rule on a table with gaps), the single predicate ``kernel_unsupported_reason``,
-and the kernels themselves in Triton's interpreter (FP16) for D in {8, 16, 24, 40, 72} with causal masking
-and GQA against the fp64 oracle and the FP16 emulation. On a GPU (marker ``gpu``): the compiled BF16 kernels,
+and the kernels themselves in Triton's interpreter (FP16) for D in {1, 8, 16, 24, 40, 72} with causal masking
+and GQA against the fp64 oracle and the FP16 emulation (head dims below 16 zero-padded to 16 on the host: on
+the H200, ptxas crashed compiling their masked tiles for D = 1 and 8). On a GPU (marker ``gpu``): the compiled BF16 kernels,
 which take their tiles from ``block_config``, for head dims from 1 to 256.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from test_triton_kernel import make, rel  # noqa: E402  (the kernel tests' input
 LOOSE = {torch.float16: 1.5e-3, torch.bfloat16: 5e-3}  # kernel vs fp64 (tests/test_triton_kernel.py, the 0.5% target)
 TIGHT = {torch.float16: 3e-4, torch.bfloat16: 3e-3}    # kernel vs the emulation in the same format
 FMT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-CPU_HEAD_DIMS = (8, 16, 24, 40, 72)
+CPU_HEAD_DIMS = (1, 8, 16, 24, 40, 72)
 GPU_HEAD_DIMS = (1, 8, 16, 24, 40, 72, 136, 256)  # every padded block_d: 16, 32, 64, 128, 256
 
 
@@ -72,8 +73,14 @@ def check(q, k, v, do, **mask):
 def test_kernel_head_dims_interpreter(monkeypatch, D):
     monkeypatch.setenv("GPROJ_TIER", "triton")
     monkeypatch.setattr(triton_bwd, "_POISON_OUTPUTS", True)
-    q, k, v, do = make(1, 4, 2, 21, 30, D, offset=8.0, seed=D)
+    widths = []
+    launch = triton_bwd._launch
+    monkeypatch.setattr(triton_bwd, "_launch", lambda km, interp, job: widths.append(job.q.shape[-1]) or
+                        launch(km, interp, job))
+    q, k, v, do = make(1, 4, 2, 17, 23, D, offset=8.0, seed=D)
     check(q, k, v, do, causal=True, causal_align="bottom_right")
+    # head dims below 16 reach the kernels zero-padded to 16 (ptxas crashed on their masked 16-wide tiles)
+    assert set(widths) == {max(D, triton_bwd.MIN_BLOCK_D)}
     lse = triton_bwd.attention_lse(q, k, causal=True)  # the compiled path's LSE kernel, same head dims
     _, want = reference_forward(q, k, k, causal=True)
     torch.testing.assert_close(lse.double(), want, rtol=1e-6, atol=1e-5)

@@ -33,9 +33,10 @@ to the target itself.)
 KV-major kernel (dk, dv, reading λ). Extra memory: three fp32 (B·H·Sq) buffers (D, LSE, λ; a fourth, T, with a
 sink) — never O(S²).
 
-**Features.** bf16 and fp16; every head dim 1..256 (padded to a power of two ≥ 16 inside the kernel; block
-configs are tuned per padded size in ``CONFIGS`` and ``block_config`` picks the nearest tuned one for a size
-without its own entry); any lengths, Sq ≠ Sk; ``causal`` with
+**Features.** bf16 and fp16; every head dim 1..256 (padded to a power of two inside the kernel; head dims
+below 16 are zero-padded to 16 on the host first, ``_pad_head_dim``; block configs are tuned per padded size
+in ``CONFIGS`` and ``block_config`` picks the nearest tuned one for a size without its own entry); any
+lengths, Sq ≠ Sk; ``causal`` with
 ``causal_align`` "top_left" (SDPA) or "bottom_right" (flash-attn); sliding ``window=(left, right)``; GQA/MQA
 (the KV-major program loops over the query heads of its group: dk/dv are reduced in registers, K/V are never
 copied); varlen (B = 1 with ``cu_seqlens_q/k``; ``max_seqlen_*`` avoid a device sync); arbitrary strides on
@@ -173,6 +174,14 @@ def _block_d(head_dim: int) -> int:
     return max(MIN_BLOCK_D, 1 << (head_dim - 1).bit_length())
 
 
+def _pad_head_dim(x: torch.Tensor) -> torch.Tensor:
+    """``x`` zero-padded to MIN_BLOCK_D along the head dim. Head dims below 16 run the kernels on such copies:
+    ptxas of Triton 3.6 (sm_90a) segfaulted compiling the masked 16-wide tiles of D = 1 and D = 8 on the
+    H200, while D = 16 compiled and passed. Zero columns change no score q·k, no dP = dO·v and no D = dO·O;
+    their gradients are dropped. The copies are small: D < 16."""
+    return torch.nn.functional.pad(x, (0, MIN_BLOCK_D - x.shape[-1]))
+
+
 def block_config(kind: str, block_d: int) -> Tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel ``kind`` ("dq" | "dkdv") for a padded head dim.
 
@@ -278,6 +287,14 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
     B, H, SQ, D = q.shape
     SK = k.shape[2]
+    if D < MIN_BLOCK_D:  # zero-padded on the host (see _pad_head_dim); outputs back at width D, like q, k, v
+        grads = gproj_backward(
+            *(_pad_head_dim(x) for x in (do, q, k, v, o)), lse, scale=default_scale(D, scale), causal=causal,
+            causal_align=causal_align, window=window, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, correct=correct,
+            deterministic=deterministic, dk_form=dk_form, _config=_config, sink=sink)
+        narrow = tuple(torch.empty_like(x).copy_(g[..., :D]) for x, g in zip((q, k, v), grads))
+        return narrow + tuple(grads[3:])
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     if cu_seqlens_q is not None and B != 1:
@@ -420,6 +437,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = 
     Hkv, Sk = k.shape[1], k.shape[2]
     if k.shape[0] != B or k.shape[3] != D or Hq % Hkv != 0:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not form an attention problem")
+    if D < MIN_BLOCK_D:  # as in gproj_backward: zero columns change no score
+        return attention_lse(_pad_head_dim(q), _pad_head_dim(k), scale=default_scale(D, scale), causal=causal)
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
     interpret = q.device.type != "cuda"
     km = _kernels(interpret)
