@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -46,19 +47,34 @@ def _own_torch_function(cls) -> bool:
                                                                   torch._C._disabled_torch_function_impl)
 
 
+_reentry = threading.local()  # calls of the wrapper made while a __torch_function__ override runs
+
+
+_TENSOR_ARGS = ("query", "key", "value", "attn_mask")
+
+
 @functools.wraps(sdpa_op.C_SDPA)
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False):
-    relevant = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+def scaled_dot_product_attention(*args, **kwargs):
+    """``F.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+    scale=None, enable_gqa=False)`` with the corrected backward (arguments passed on exactly as given)."""
+    relevant = tuple(a for a in args[:4] if a is not None) + \
+        tuple(kwargs[n] for n in _TENSOR_ARGS if kwargs.get(n) is not None)
     if has_torch_function(relevant):
-        subclasses = [type(t).__name__ for t in relevant if _own_torch_function(type(t))]
-        if subclasses and torch.is_grad_enabled():
-            telemetry.record_forward("original", f"sdpa: __torch_function__ of {', '.join(dict.fromkeys(subclasses))}"
-                                     " handles SDPA itself", telemetry.shape_class("sdpa"))
-        return handle_torch_function(scaled_dot_product_attention, relevant, query, key, value, attn_mask=attn_mask,
-                                     dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    return sdpa_op.sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
+        return _dispatch_override(relevant, args, kwargs)
+    _reentry.count = getattr(_reentry, "count", 0) + 1
+    return sdpa_op.sdpa(*args, **kwargs)
+
+
+def _dispatch_override(relevant, args, kwargs):
+    """Let the subclass or mode handle the call, as the builtin does. A subclass that computes attention without
+    calling SDPA back (CausalBias lower-right on an efficient kernel) is counted as passed through."""
+    before = getattr(_reentry, "count", 0)
+    out = handle_torch_function(scaled_dot_product_attention, relevant, *args, **kwargs)
+    subclasses = [type(t).__name__ for t in relevant if _own_torch_function(type(t))]
+    if subclasses and getattr(_reentry, "count", 0) == before and torch.is_grad_enabled():
+        telemetry.record_forward("original", f"sdpa: __torch_function__ of {', '.join(dict.fromkeys(subclasses))} "
+                                 "computed attention without SDPA: passed through", telemetry.shape_class("sdpa"))
+    return out
 
 
 scaled_dot_product_attention.__gproj_patched__ = True

@@ -1,0 +1,199 @@
+"""Nothing of a call outlives its backward: live tensor bytes stay flat over repeated forward+backward on every
+path (issue 8.1: the inner SDPA's saved-tensor hooks kept every call's output, LSE and q/k/v aliases alive)."""
+import gc
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gproj_patch
+from gproj_patch.backends.reference import reference_backward, reference_forward
+from gproj_patch.integrations import fa_records
+from gproj_patch.integrations import flash_attn as fa_hook
+
+CALLS = 6
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    yield
+    gproj_patch.disable()
+
+
+def live_tensor_bytes() -> int:
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        try:
+            if not obj.is_meta:
+                storage = obj.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        except Exception:  # noqa: BLE001 - tensors without storage (nested, fake) are not counted
+            continue
+    return total
+
+
+def _inputs(dtype=torch.bfloat16, B=1, H=2, S=64, D=32, Hkv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, Hkv or H, S, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv or H, S, D, generator=g).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def _flat(step):
+    """Run ``step`` CALLS times; the live bytes after the last call equal those after the second."""
+    sizes = []
+    for _ in range(CALLS):
+        step()
+        sizes.append(live_tensor_bytes())
+    assert sizes[-1] <= sizes[1], sizes  # the first call may create caches (kernels, interned contexts)
+    return sizes
+
+
+def _sdpa_step(q, k, v, **kw):
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+        out.float().sum().backward()
+        for t in (q, k, v):
+            t.grad = None
+    return step
+
+
+@pytest.mark.parametrize("mode", ["gproj", "fp32", "auto", "audit", "off"])
+def test_sdpa_eager_every_mode(mode):
+    gproj_patch.enable(mode=mode, targets=("sdpa",))
+    _flat(_sdpa_step(*_inputs(), is_causal=True))
+    if mode != "off":
+        assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] + gproj_patch.stats()["original"] == CALLS
+
+
+def test_sdpa_kernel_tier_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("GPROJ_TIER", "triton")
+    gproj_patch.enable(mode="gproj", targets=("sdpa",))
+    _flat(_sdpa_step(*_inputs(torch.float16, S=32, D=16), is_causal=True))
+    assert gproj_patch.stats()["gproj"] == CALLS
+
+
+def test_sdpa_mask_and_gqa():
+    gproj_patch.enable(mode="gproj", targets=("sdpa",))
+    q, k, v = _inputs(H=4, Hkv=2)
+    mask = torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) > 0.3
+    _flat(_sdpa_step(q, k, v, attn_mask=mask, enable_gqa=True))
+
+
+def test_gproj_attention_without_enable():
+    q, k, v = _inputs()
+
+    def step():
+        gproj_patch.attention(q, k, v, is_causal=True).float().sum().backward()
+    _flat(step)
+
+
+def test_sdpa_compiled():
+    gproj_patch.enable(mode="gproj", targets=("sdpa",))
+    fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), backend="aot_eager",
+                       fullgraph=True)
+    q, k, v = _inputs()
+
+    def step():
+        fn(q, k, v).float().sum().backward()
+    _flat(step)
+
+
+def test_hf_gproj_attention():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    gproj_patch.enable(mode="auto")
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="gproj", dtype=torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    _flat(step)
+
+
+def _fake_fa4(monkeypatch):
+    """A stand-in ``flash_attn.cute.interface`` with FA4's forward/backward functions, the backward reading its
+    JIT cache through the module global (as FA4 does)."""
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+        m.__path__ = []
+        monkeypatch.setitem(sys.modules, name, m)
+    iface = sys.modules["flash_attn.cute.interface"]
+
+    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, learnable_sink=None):
+        out, lse = reference_forward(*(t.transpose(1, 2) for t in (q, k, v)), scale=softmax_scale, causal=causal,
+                                     causal_align="bottom_right")
+        return out.to(q.dtype).transpose(1, 2).contiguous(), lse.float()
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, learnable_sink=None):
+        iface._flash_attn_bwd.compile_cache.setdefault("key", "compiled")  # FA4: state on the function object
+        grads = reference_backward(*(t.transpose(1, 2) for t in (q, k, v, dout)), scale=softmax_scale,
+                                   causal=causal, causal_align="bottom_right")
+        return tuple(g.to(q.dtype).transpose(1, 2) for g in grads)
+
+    _flash_attn_bwd.compile_cache = {}
+    iface._flash_attn_fwd, iface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+
+    class FlashAttnFunc(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal, sink):
+            out, lse = iface._flash_attn_fwd(q, k, v, causal=causal, learnable_sink=sink)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.causal, ctx.sink = causal, sink
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = iface._flash_attn_bwd(q, k, v, out, dout, lse, causal=ctx.causal, learnable_sink=ctx.sink)
+            return dq, dk, dv, None, None
+
+    monkeypatch.setattr(fa_hook, "FA2_OPS", ())
+    monkeypatch.setattr(fa_hook, "FA3_OPS", ())
+    monkeypatch.setattr(fa_hook, "FORWARD_OPS", ())
+    return iface, FlashAttnFunc
+
+
+def test_flash_attn_records_do_not_outlive_their_backward(monkeypatch):
+    iface, func = _fake_fa4(monkeypatch)
+    gproj_patch.enable(mode="auto", targets=("flash_attn",))
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in _inputs())
+
+    def step():
+        func.apply(q, k, v, True, None).float().sum().backward()
+    _flat(step)
+    gc.collect()
+    assert fa_records.live_records() == 0
+    s = gproj_patch.stats()
+    assert s["fp32"] + s["gproj"] + s["original"] == CALLS
+
+
+def test_fa4_original_path_keeps_function_attributes(monkeypatch):
+    """FA4's own path (a learnable sink, handed back to the original) reads ``_flash_attn_bwd.compile_cache``
+    through the module global: with the proxy in place that still works (issue 8.4: AttributeError before)."""
+    iface, func = _fake_fa4(monkeypatch)
+    original = iface._flash_attn_bwd
+    gproj_patch.enable(mode="gproj", targets=("flash_attn",))
+    assert iface._flash_attn_bwd is not original and iface._flash_attn_bwd.compile_cache is original.compile_cache
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in _inputs())
+    func.apply(q, k, v, True, torch.zeros(2)).float().sum().backward()  # learnable sink: original backward
+    assert original.compile_cache == {"key": "compiled"}
+    assert gproj_patch.stats()["original"] == 1
+    iface._flash_attn_bwd.extra = 1  # writes reach the original too
+    assert original.extra == 1
+    gproj_patch.disable()
+    assert iface._flash_attn_bwd is original

@@ -1,0 +1,93 @@
+"""The backward reads only what its forward recorded (issue 9.1, issue 8.6): options changed and disable() called
+between a forward and its backward change nothing for that call; a flash-attn call's layer is its forward's."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gproj_patch
+from gproj_patch import policy
+from gproj_patch.ops import sdpa as sdpa_op
+
+from test_memory import _fake_fa4
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    yield
+    gproj_patch.disable()
+
+
+def _inputs(offset=0.0, seed=0, S=48, D=32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, S, D, generator=g).bfloat16().requires_grad_()
+    k = (torch.randn(1, 2, S, D, generator=g) + offset).bfloat16().requires_grad_()
+    v = torch.randn(1, 2, S, D, generator=g).bfloat16().requires_grad_()
+    return q, k, v
+
+
+def _seen_records(monkeypatch):
+    seen = []
+    real = sdpa_op.run_backward
+    monkeypatch.setattr(sdpa_op, "run_backward", lambda record, *a, **kw: seen.append(record) or real(record, *a, **kw))
+    return seen
+
+
+def test_disable_between_forward_and_backward_changes_nothing(monkeypatch):
+    seen = _seen_records(monkeypatch)
+    q, k, v = _inputs(offset=64.0)
+    gproj_patch.enable(mode="fp32", targets=("sdpa",))
+    with gproj_patch.layer_scope("blk.7"):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    gproj_patch.disable()
+    gproj_patch.enable(mode="off", targets=("sdpa",))  # another configuration at backward time
+    out.float().sum().backward()
+    gproj_patch.disable()
+    (record,) = seen
+    assert (record.context.mode, record.context.layer, record.context.source) == ("fp32", "blk.7", "sdpa")
+    assert gproj_patch.stats()["fp32"] == 1 and gproj_patch.stats()["original"] == 0
+
+
+def test_policy_options_are_the_forwards(monkeypatch):
+    seen = _seen_records(monkeypatch)
+    q, k, v = _inputs()
+    gproj_patch.enable(mode="auto", targets=("sdpa",), sample_every=3)
+    out = F.scaled_dot_product_attention(q, k, v)
+    policy.configure(sample_every=11)  # after the forward: not this call's
+    out.float().sum().backward()
+    assert seen[0].context.policy.sample_every == 3
+    out = F.scaled_dot_product_attention(q, k, v)
+    out.float().sum().backward()
+    assert seen[1].context.policy.sample_every == 11
+    policy.reset(keep_config=False)
+
+
+def test_flash_attn_layer_is_the_forwards_and_auto_keeps_one_record_per_layer(monkeypatch):
+    """FA4-style stand-in: two layers, one with a 300σ key offset. Backwards run after every forward scope has
+    closed; each must land in its own policy record, and only the sick layer leaves the original backward."""
+    _iface, func = _fake_fa4(monkeypatch)
+    gproj_patch.enable(mode="auto", targets=("flash_attn",), sample_every=1)
+    healthy = [t.transpose(1, 2).detach().requires_grad_() for t in _inputs(seed=1)]
+    sick = [t.transpose(1, 2).detach().requires_grad_() for t in _inputs(seed=2)]
+    with torch.no_grad():
+        sick[1] += 300.0  # a common key offset far beyond the spread
+    outs = []
+    for name, (q, k, v) in (("layers.0", healthy), ("layers.1", sick)):
+        with gproj_patch.layer_scope(name):
+            outs.append(func.apply(q, k, v, True, None))
+    sum(o.float().sum() for o in outs).backward()
+    records = policy.stats()
+    assert sorted(records) == ["layers.0", "layers.1"]
+    assert records["layers.0"]["tier"] == "original"
+    assert records["layers.1"]["tier"] == "fp32"  # the policy chose gproj; on CPU that runs the FP32 tier
+    assert gproj_patch.stats()["layers"]["layers.1"]["policy_tier"] == "gproj"
+
+
+def test_flash_attn_backward_without_forward_record_is_reported(monkeypatch):
+    iface, _func = _fake_fa4(monkeypatch)
+    q, k, v = (t.transpose(1, 2).detach() for t in _inputs())
+    out, lse = iface._flash_attn_fwd(q, k, v, causal=True)  # before enable(): no record
+    gproj_patch.enable(mode="gproj", targets=("flash_attn",))
+    iface._flash_attn_bwd(q, k, v, out, torch.ones_like(out), lse, causal=True)
+    assert any("no forward record" in r for r in gproj_patch.stats()["fallback_reasons"])
