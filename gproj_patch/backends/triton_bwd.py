@@ -82,6 +82,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .compat import triton_interpreter_index_patch
 from .spec import (MaskSpec, default_scale, normalize_lse, sink_unsupported_reason, validate_cu_seqlens,
                    validate_qkv)
 
@@ -146,28 +147,6 @@ def _kernels(interpret: bool):
                 os.environ["TRITON_INTERPRET"] = old
         _modules[key] = mod
         return mod
-
-
-@contextlib.contextmanager
-def _interpreter_patch():
-    """Triton 3.6's interpreter converts loop bounds with ``int(ndarray of shape (1,))``, which numpy >= 2.4
-    rejects; while our interpreted kernels run, convert through ``.reshape(-1)[0]`` instead."""
-    try:
-        import triton.runtime.interpreter as ti
-        orig = ti._patch_lang_tensor
-    except Exception:  # pragma: no cover - other triton versions
-        yield
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    ti._patch_lang_tensor = patched
-    try:
-        yield
-    finally:
-        ti._patch_lang_tensor = orig
 
 
 def _block_d(head_dim: int) -> int:
@@ -348,7 +327,7 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         n_problems=Z, max_q=MQ, max_k=MK, window=(left, right), bottom_right=mask.causal_align == "bottom_right",
         alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(correct),
         fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv)
-    with (_interpreter_patch() if interpret else contextlib.nullcontext()):
+    with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         target = _launch(_kernels(interpret), interpret, job)
     if sink is None:
         return dq, dk, dv
@@ -444,7 +423,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = 
     km = _kernels(interpret)
     block_m, block_n = (16, 16) if interpret else (64, 64)
     grid = (triton.cdiv(Sq, block_m), Hq, B)
-    with (_interpreter_patch() if interpret else contextlib.nullcontext()):
+    with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         km._lse_fwd[grid](q, k, lse, *q.stride(), *k.stride(), *lse.stride(), Hq // Hkv, Sq, Sk, D,
                           default_scale(D, scale) * 1.4426950408889634, CAUSAL=bool(causal), BLOCK_M=block_m,
                           BLOCK_N=block_n, BLOCK_D=_block_d(D), num_warps=4)
