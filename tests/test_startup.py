@@ -29,6 +29,7 @@ def userbase(tmp_path_factory):
     env = dict(os.environ, PYTHONUSERBASE=str(base))
     usersite = subprocess.run([sys.executable, "-c", "import site; print(site.getusersitepackages())"],
                               env=env, capture_output=True, text=True, check=True).stdout.strip()
+    os.makedirs(usersite)
     startup.install_pth(usersite)
     return base
 
@@ -80,6 +81,7 @@ def test_unset_flag_never_imports_the_package(userbase):
 
 @pytest.mark.parametrize("env,needle", [
     ({"GPROJ_PATCH": "maybe"}, "GPROJ_PATCH='maybe' is not understood"),
+    ({"GPROJ_PATCH": "1", "GPROJ_DETECTOR_GRAPH": "maybe"}, "GPROJ_DETECTOR_GRAPH='maybe': expected a boolean"),
     ({"GPROJ_PATCH": "1", "GPROJ_MODE": "fast"}, "GPROJ_MODE must be one of"),
     ({"GPROJ_PATCH": "1", "GPROJ_TARGETS": "sdpa,xformers"}, "unknown target(s) 'xformers'"),
     ({"GPROJ_PATCH": "1", "GPROJ_SAMPLE_EVERY": "0"}, "sample_every must be an integer >= 1"),
@@ -123,8 +125,53 @@ def test_wheel_ships_the_pth(tmp_path):
         assert any(line.startswith(startup.PTH_NAME + ",") for line in zf.read(record).decode().splitlines())
 
 
+def test_install_refuses_a_missing_directory(tmp_path, capsys):
+    missing = tmp_path / "no" / "such-site-packages"
+    assert startup.main(["--install", str(missing)]) == startup.EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.startswith("gproj_patch: --install: no such directory") and str(missing) in err
+    assert not missing.exists() and not missing.parent.exists()
+
+
+def test_install_and_uninstall_in_an_existing_directory(tmp_path, capsys):
+    pth = tmp_path / startup.PTH_NAME
+    assert startup.main(["--install", str(tmp_path)]) == 0 and capsys.readouterr().out.strip() == str(pth)
+    assert pth.read_text() == startup.PTH_LINE + "\n"
+    assert startup.main(["--uninstall", str(tmp_path)]) == 0 and not pth.exists()
+    assert capsys.readouterr().out.strip() == f"removed {pth}"
+    assert startup.main(["--uninstall", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == f"not installed: {pth}"
+
+
+LOG_FIX = ("needs the lead's change: a last-resort handler on the 'gproj_patch' logger that adds the prefix, and "
+           "no 'gproj_patch' in enable()'s 'already enabled' message (see the report of the start-up work)")
+LOG_SCRIPT = """
+import logging
+{setup}
+import torch, gproj_patch
+gproj_patch.enable(mode="gproj", targets="sdpa")
+gproj_patch.enable(mode="fp32")  # already enabled: a warning
+q, k, v = (torch.randn(1, 2, 8, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+torch.nn.functional.scaled_dot_product_attention(q, k, v).float().sum().backward()  # CPU: an fp32-tier fallback
+"""
+
+
+@pytest.mark.parametrize("setup", [
+    pytest.param("", marks=pytest.mark.xfail(strict=True, reason=LOG_FIX)),  # no logging configuration
+    pytest.param("logging.basicConfig()", marks=pytest.mark.xfail(strict=True, reason=LOG_FIX)),  # name shown
+])
+def test_log_lines_carry_the_prefix_once(userbase, setup):
+    r = _run(userbase, LOG_SCRIPT.format(setup=setup))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert any("already enabled" in ln for ln in lines) and any("fp32 tier" in ln for ln in lines), r.stderr
+    assert [ln for ln in lines if ln.count("gproj_patch") != 1] == []
+
+
+# An HF training script: its first line imports Transformers, which probes for torch before importing it.
 ACCELERATE_SCRIPT = """
 import os
+from transformers import AutoModelForCausalLM
 import torch
 import torch.nn.functional as F
 import gproj_patch
@@ -134,7 +181,9 @@ acc = Accelerator(cpu=True)
 q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
 st = gproj_patch.stats()
+from transformers.modeling_utils import AttentionInterface
 print(f"rank {acc.process_index}/{acc.num_processes} patched={gproj_patch.is_enabled()} "
+      f"gproj={'gproj' in AttentionInterface._global_mapping} "
       f"backend={torch.distributed.get_backend() if torch.distributed.is_initialized() else None} "
       f"calls={sum(st.get(t, 0) for t in ('gproj', 'fp32', 'original'))}", flush=True)
 """
@@ -152,4 +201,4 @@ def test_accelerate_launch_patches_every_rank(userbase, tmp_path):
     lines = sorted(ln for ln in r.stdout.splitlines() if ln.startswith("rank "))
     assert len(lines) == 2, r.stdout + r.stderr
     for i, line in enumerate(lines):
-        assert line.startswith(f"rank {i}/2 patched=True backend=gloo calls=1"), line
+        assert line.startswith(f"rank {i}/2 patched=True gproj=True backend=gloo calls=1"), line

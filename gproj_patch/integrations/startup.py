@@ -18,8 +18,13 @@ So ``GPROJ_PATCH=1 GPROJ_MODE=auto accelerate launch train.py`` patches every ra
 environment to each worker, and each worker's interpreter runs the hook. ``status()`` says what happened.
 
 Where the .pth cannot be installed (``pip install --target``, a zip app), ``python -m
-gproj_patch.integrations.startup --install DIR`` writes it into a site directory, and ``import
-gproj_patch.integrations.startup as s; s.process_startup()`` at the top of a script does the same by hand.
+gproj_patch.integrations.startup --install DIR`` writes it into a site directory (DIR must exist: a mistyped
+path is refused with exit status 2, never created; ``--install --user`` creates the user site directory, which
+Python reads once it exists), and ``import gproj_patch.integrations.startup as s; s.process_startup()`` at the
+top of a script does the same by hand.
+
+``torch`` is watched with ``gproj_patch.import_hooks``: probing for it (``importlib.util.find_spec("torch")``,
+as ``transformers`` and others do at import) does not consume the hook, so any import order works.
 The hook does nothing under ``python -S`` / ``-I`` (site disabled), which is Python's rule for all .pth files.
 """
 from __future__ import annotations
@@ -77,7 +82,7 @@ def flag_value(environ=None) -> bool:
 def check_environment(environ=None) -> None:
     """Parse every GPROJ_* option of the patch and the policy (no torch import); ValueError on a bad one."""
     from .. import config, policy
-    config.from_env(environ)
+    config.resolve(environ=environ)
     policy.options_from_env(environ)
 
 
@@ -122,8 +127,10 @@ def _site_dir(user: bool) -> str:
 
 
 def install_pth(directory: str) -> str:
-    """Write the .pth into ``directory`` (must be a site directory for Python to read it); returns its path."""
-    os.makedirs(directory, exist_ok=True)
+    """Write the .pth into the existing ``directory`` (a site directory, for Python to read it); returns its
+    path. FileNotFoundError when the directory does not exist (it is not created: a typo would go unnoticed)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no such directory: {directory!r} (give an existing site directory)")
     path = os.path.join(directory, PTH_NAME)
     with open(path, "w", encoding="utf-8") as f:
         f.write(PTH_LINE + "\n")
@@ -142,12 +149,21 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="report whether the hook is installed and valid")
     args = ap.parse_args(argv)
     if args.install is not None:
-        print(install_pth(args.install or _site_dir(args.user)))
+        directory = args.install or _site_dir(args.user)
+        if not args.install and args.user:
+            os.makedirs(directory, exist_ok=True)  # the user site directory: Python reads it once it exists
+        try:
+            print(install_pth(directory))
+        except FileNotFoundError as exc:
+            print(f"gproj_patch: --install: {exc}", file=sys.stderr)
+            return EXIT_CODE
     if args.uninstall is not None:
         path = os.path.join(args.uninstall or _site_dir(args.user), PTH_NAME)
         if os.path.exists(path):
             os.remove(path)
-        print(f"removed {path}")
+            print(f"removed {path}")
+        else:
+            print(f"not installed: {path}")
     if args.check or (args.install is None and args.uninstall is None):
         import site
         dirs = site.getsitepackages() + [site.getusersitepackages()]
