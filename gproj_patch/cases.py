@@ -16,6 +16,10 @@ API::
     case.key_offset                      # common key offset in units of the key spread σ (for plots); 0 for
                                          # diffuse, None where it does not apply
     case.sweep                           # True for the key-offset sweep (diffuse + key_offset_*), the plot's x axis
+    case.smallest_p                      # typical size of the probabilities that carry the true gradient, where
+                                         # they are tiny (sink: e^-20), else None
+    case.in_range(torch.float16)         # False when those probabilities underflow in that format (below its
+                                         # smallest subnormal): a range limit of the format, not a gauge leak
 
 ``CASES`` is a tuple in a fixed order; ``select_cases("key_offset_*,sink*")`` filters by comma-separated names
 or fnmatch patterns (ValueError on a pattern that matches nothing). Builders draw everything in fp64 from a
@@ -29,6 +33,7 @@ N(0, 1). Head dim 64 (α = 1/8) unless noted.
 from __future__ import annotations
 
 import fnmatch
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -63,6 +68,15 @@ class Case:
     key_offset: Optional[float]
     description: str
     sweep: bool = False
+    smallest_p: Optional[float] = None
+
+    def in_range(self, dtype) -> bool:
+        """Whether the probabilities that carry this case's true gradient survive rounding to ``dtype``: False
+        when ``smallest_p`` is below the format's smallest subnormal (FP16: 2^-24 ≈ 6.0e-8; BF16: ≈ 9.2e-41)."""
+        if self.smallest_p is None:
+            return True
+        info = torch.finfo(dtype)
+        return self.smallest_p >= info.tiny * info.eps
 
     def build(self, seed: int = 0, dtype=torch.bfloat16, device="cpu", quick: bool = False) -> CaseInputs:
         if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
@@ -120,7 +134,7 @@ def _sink(d: _Draw, quick: bool):
     """One sink key that every query prefers by ~SINK_MARGIN logits, all keys offset by 64σ.
 
     The sink direction e is removed from the other keys' noise so the margin is the same for every row; the
-    true dq is then ~e^-20 small while the keys are large — plain FP32 attention fails here (DESIGN §1).
+    true dq is then ~e^-20 small while the keys are large — plain FP32 attention fails here (docs/math.md).
     In FP16 the e^-20 probabilities and score gradients underflow (below 2^-24), so FP16 kernels, GProj
     included, lose the true dq here (a range limit, not a gauge leak: ≈ 2 % dq error in the emulation).
     """
@@ -190,7 +204,7 @@ def witness_parameters(dtype) -> Dict[str, float]:
 
 
 def _witness(d: _Draw, quick: bool):
-    """DESIGN §1 / seed 000 §3.4: uniform attention over 4 keys (q = 0), g = (1+ε, −1, −ε, 0), keys share first
+    """docs/math.md (the four-key witness) / seed 000 §3.4: uniform attention over 4 keys (q = 0), g = (1+ε, −1, −ε, 0), keys share first
     coordinate K0, D = 64 (α = 1/8). Every input and the saved output O = (−ε, ε, 0, …) are exactly
     representable; the exact dq[..., 0] is 0 and an uncorrected kernel returns α·K0·(−ε) (−24 in BF16)."""
     p = witness_parameters(d.dtype)
@@ -213,17 +227,19 @@ def _witness(d: _Draw, quick: bool):
     return {"q": q, "k": k, "v": v, "do": do}, {}, expected
 
 
-def _case(name, builder, gauge, offset, desc, sweep=False) -> Case:
-    return Case(name, builder, gauge, offset, desc, sweep)
+def _case(name, builder, gauge, offset, desc, sweep=False, smallest_p=None) -> Case:
+    return Case(name, builder, gauge, offset, desc, sweep, smallest_p)
 
 
 CASES: Tuple[Case, ...] = (
     _case("diffuse", _dense(), True, 0.0, "random q, k, v, dO; no offset", sweep=True),
     *(_case(f"key_offset_{x}", _dense(key_offset=float(x)), True, float(x),
             f"common key offset {x}σ (key RMS ≫ spread)", sweep=True) for x in (8, 32, 128, 512)),
-    _case("sink_offset_64", _sink, True, 64.0, "one-hot rows on a sink key, keys offset 64σ"),
+    _case("sink_offset_64", _sink, True, 64.0, "one-hot rows on a sink key, keys offset 64σ",
+          smallest_p=math.exp(-SINK_MARGIN)),
     _case("repeated_max", _repeated_max, True, 32.0,
-          "four identical dominant keys: repeated row maxima, P̃ == 1 exactly (seed 002), offset 32σ"),
+          "four identical dominant keys: repeated row maxima, P̃ == 1 exactly (seed 002), offset 32σ",
+          smallest_p=math.exp(-REPEAT_MARGIN)),
     _case("query_offset_32", _dense(query_offset=32.0), False, None,
           "large common query offset 32σ: not a softmax symmetry (dk legitimately carries it)"),
     _case("causal_top_left", _causal("top_left", (96, 48), (160, 80)), True, 32.0,
@@ -240,7 +256,7 @@ CASES: Tuple[Case, ...] = (
     _case("varlen", _varlen, True, 32.0, "varlen pack with a length-1 and a length-0 sequence, causal bottom-right"),
     _case("softcap", _shaped((256, 128), (256, 128), softcap=30.0), False, 8.0,
           "softcap 30 with a key offset 8σ (tanh breaks the gauge symmetry)"),
-    _case("witness", _witness, True, None, "the four-key witness of DESIGN §1: exact dq coordinate 0"),
+    _case("witness", _witness, True, None, "the four-key witness (docs/math.md): exact dq coordinate 0"),
 )
 
 _BY_NAME = {c.name: c for c in CASES}
