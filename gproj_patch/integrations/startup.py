@@ -81,9 +81,8 @@ def flag_value(environ=None) -> bool:
 
 def check_environment(environ=None) -> None:
     """Parse every GPROJ_* option of the patch and the policy (no torch import); ValueError on a bad one."""
-    from .. import config, policy
-    config.resolve(environ=environ)
-    policy.options_from_env(environ)
+    from .. import config
+    config.check_environment(environ)
 
 
 def process_startup(environ=None) -> Optional[Any]:
