@@ -45,13 +45,12 @@ def kernel_reason(t: BackwardTensors, problem: Problem) -> Optional[str]:
     """Why the GProj Triton kernel cannot take this backward (None when it can)."""
     if problem.dropout_p > 0.0:
         return "dropout > 0 (the kernel takes no dropout mask)"
-    if problem.sink is not None:
-        return "learnable sink"
     try:
         from .backends.triton_bwd import kernel_unsupported_reason
     except ImportError as exc:  # triton missing
         return f"no triton kernel ({exc})"
-    reason = kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask, softcap=problem.softcap)
+    reason = kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask, softcap=problem.softcap,
+                                       sink=problem.sink)
     if reason is None and (t.o is None or t.lse is None):
         return "the forward returned no LSE (non-fused forward)"
     return reason
@@ -64,9 +63,10 @@ def _kernel_lse(lse: torch.Tensor, dead_rows: Optional[torch.Tensor]) -> torch.T
 
 def _run_kernel(t: BackwardTensors, problem: Problem) -> Grads:
     from .backends.triton_bwd import gproj_backward
+    extra = {} if problem.sink is None else {"sink": problem.sink}  # the LSE includes the sink: never drop it
     return gproj_backward(t.do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale,
                           max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k, correct=True,
-                          **problem.flags)
+                          **problem.flags, **extra)
 
 
 def _run_fp32(t: BackwardTensors, problem: Problem) -> Grads:
