@@ -15,6 +15,7 @@ import gproj_patch
 def run_arm(mode, args):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
+    gproj_patch.reset_stats()
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers,
                       num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=args.seq)
     if mode != "unpatched":
