@@ -30,9 +30,10 @@ JSON (``--json PATH``), one object:
   ``backends``: names that ran; ``skipped_backends``: {name: reason} for those not available here;
   ``cases``: [{``name``, ``description``, ``gauge_regime``, ``key_offset`` (σ units or null), ``sweep``,
   ``shape`` {B, Hq, Hkv, Sq, Sk, D}, ``mask`` (the case's mask kwargs, cu_seqlens as lists),
-  ``expected`` (exact facts, the witness), ``format_in_range`` (``Case.in_range`` for the dtype), ``results``: {backend: {``status`` "ok"|"n/a"|"error",
-  ``reason`` (for n/a and error), ``dq``, ``dk``, ``dv``, ``gauge`` (floats, for ok), ``dq_abs``, ``dk_abs``,
-  ``dv_abs`` (bools), ``seconds``, and for the witness ``witness_dq0`` (the computed dq[0,0,0,0])}}}];
+  ``expected`` (exact facts, the witness), ``format_in_range`` (``Case.in_range`` for the dtype),
+  ``results``: {backend: {``status`` "ok"|"n/a"|"error", ``reason`` (for n/a and error), ``dq``, ``dk``,
+  ``dv``, ``gauge`` (floats, for ok), ``dq_abs``, ``dk_abs``, ``dv_abs`` (bools), ``seconds``, and for the
+  witness ``witness_dq0`` (the computed dq[0,0,0,0])}}}];
   ``checks``: {``unit_roundoff``, the bounds ``uncorrected_dq_min``, ``gproj_dq_max``, ``fp32_tier_dq_max``;
   ``uncorrected_dq_at_128sigma``, ``gproj_worst_gauge_regime_dq`` and its ``..._case``,
   ``gproj_out_of_range_cases`` (gauge-regime cases left out of the GProj criterion, see below),
