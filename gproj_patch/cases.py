@@ -205,8 +205,9 @@ def witness_parameters(dtype) -> Dict[str, float]:
 
 def _witness(d: _Draw, quick: bool):
     """The four-key witness (docs/math.md; seed 000 §3.4): uniform attention over 4 keys (q = 0),
-    g = (1+ε, −1, −ε, 0), keys share first coordinate K0, D = 64 (α = 1/8). Every input and the saved output O = (−ε, ε, 0, …) are exactly
-    representable; the exact dq[..., 0] is 0 and an uncorrected kernel returns α·K0·(−ε) (−24 in BF16)."""
+    g = (1+ε, −1, −ε, 0), keys share first coordinate K0, D = 64 (α = 1/8). Every input and the saved output
+    O = (−ε, ε, 0, …) are exactly representable; the exact dq[..., 0] is 0 and an uncorrected kernel returns
+    α·K0·(−ε) (−24 in BF16)."""
     p = witness_parameters(d.dtype)
     eps, key0 = p["eps"], p["key0"]
     D = HEAD_DIM
