@@ -1,0 +1,140 @@
+"""Where a hooked SDPA call spends its time on the host, and what the patch costs end to end (H200).
+
+1. Host time per call: forward+backward wall time at a tiny CUDA shape (GPU work ~µs, so wall ≈ host), per
+   arm: unpatched, gproj, auto (benign keys: the policy keeps "original", unsampled calls), and the Python
+   profile's top functions of the patched call.
+2. Attention forward+backward (do_bench median) at the issue-11 shapes, unpatched (cuDNN) vs gproj vs auto.
+3. Training step of a Llama-style model from a config (hidden 2048, 16×128 heads, 8 KV heads, 8 layers, seq 4096,
+   batch 2, AdamW, BF16), arms alternated over ``--reps`` repetitions of ``--steps`` steps; median step time.
+
+    PYTHONPATH=. python benchmarks/host_overhead.py [--reps 3 --steps 8]
+"""
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import gproj_patch
+
+ARMS = ("unpatched", "gproj", "auto")
+SHAPES = [(4, 16, 4096, 64, True), (4, 16, 4096, 128, True), (2, 16, 8192, 128, False)]
+
+
+def _arm(mode):
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    if mode != "unpatched":
+        gproj_patch.enable(mode=mode, sample_every=1000)
+
+
+def host_time(mode, n=300):
+    _arm(mode)
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+
+    def step():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+    for _ in range(30):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - t) / n * 1e6
+    profile = ""
+    if mode != "unpatched":
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(100):
+            step()
+        torch.cuda.synchronize()
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(12)
+        profile = buf.getvalue()
+    return us, profile
+
+
+def attention_time(mode, B, H, S, D, causal):
+    _arm(mode)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+
+    def step():
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(do)
+    return triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    return model, cfg
+
+
+def step_times(args):
+    model, cfg = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, cfg.vocab_size, (2, 4096), device="cuda")
+    times = {a: [] for a in ARMS}
+    for _rep in range(args.reps):
+        for mode in ARMS:
+            _arm(mode)
+            for i in range(args.steps + 1):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                if i:  # the first step of each block warms up
+                    times[mode].append((time.perf_counter() - t) * 1e3)
+    gproj_patch.disable()
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "host_us": {}, "attention_ms": {}}
+    for mode in ARMS:
+        us, profile = host_time(mode)
+        res["host_us"][mode] = us
+        if profile:
+            print(f"--- profile, mode {mode} (100 calls) ---\n{profile[-2500:]}")
+    for shape in SHAPES:
+        res["attention_ms"][str(shape)] = {m: attention_time(m, *shape) for m in ARMS}
+    res["step_ms"] = step_times(args)
+    with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    base = res["host_us"]["unpatched"]
+    print("host µs per fwd+bwd call (1·2·128·64):",
+          ", ".join(f"{m} {v:.0f} (+{v - base:.0f})" for m, v in res["host_us"].items()))
+    print(f"{'shape':28s} " + " ".join(f"{m:>10s}" for m in ARMS) + "   gproj/unp  auto/unp")
+    for shape, t in res["attention_ms"].items():
+        print(f"{shape:28s} " + " ".join(f"{t[m]:10.3f}" for m in ARMS)
+              + f"   ×{t['gproj'] / t['unpatched']:.3f}   ×{t['auto'] / t['unpatched']:.3f}")
+    s = res["step_ms"]
+    print(f"step ms (0.5B, 4K, batch 2, median of {args.reps}×{args.steps}, alternated): "
+          + ", ".join(f"{m} {v:.1f}" for m, v in s.items())
+          + f"; gproj {100 * (s['gproj'] / s['unpatched'] - 1):+.1f}%, auto {100 * (s['auto'] / s['unpatched'] - 1):+.1f}%")
+
+
+if __name__ == "__main__":
+    main()
