@@ -6,8 +6,8 @@ that processes which never import those modules do not pay for them.
 
 How. The import system marks a module's spec ``_initializing = True`` before it runs the module's code and
 sets it back to ``False`` when the import is over, after a failed import has already been removed from
-``sys.modules`` (``importlib._bootstrap._load_unlocked``, the same in CPython 3.4 to 3.13; the C import path
-reads the flag to detect partially initialized modules). One finder (``_Watcher``) sits at the front of
+``sys.modules`` (``importlib._bootstrap._load_unlocked``, read here on CPython 3.11; the C import path reads the
+same flag to detect partially initialized modules; ``tests/test_import_order.py`` fails if it stops holding). One finder (``_Watcher``) sits at the front of
 ``sys.meta_path`` while any callback is pending. Asked for a watched name, it gets the real spec from the other
 finders and returns it with its class switched to ``_ObservedSpec``, a ``ModuleSpec`` subclass that notices
 that final ``_initializing = False``; the spec's class is then switched back and, if the module is in
