@@ -4,11 +4,14 @@
 every batch and head, becomes the flags. ``padding_as_flags`` (at the backward, from the recorded mask and dO):
 a right-padded causal (or windowed) mask whose padded query rows have an exactly zero output gradient — those
 rows contribute nothing to any gradient, so the others are computed with the flags and the dead rows get
-LSE = +inf (P = 0) in the kernel. Both are exact; anything else stays a mask (FP32 tier).
+LSE = +inf (P = 0) in the kernel. ``padding_as_varlen`` (at the backward): left (and/or right) padding around a
+causal (or windowed) pattern, zero dO on every row that differs, handed to the kernel as varlen segments over
+the flattened batch (``PackedPadding``). All are exact; anything else stays a mask (FP32 tier).
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -62,3 +65,98 @@ def padding_as_flags(attn_mask: Optional[Tensor], do: Tensor, sq: int, sk: int):
         if not bool((dead & live).any()):
             return (left, -1), dead
     return None
+
+
+@dataclass(frozen=True, eq=False)
+class PackedPadding:
+    """A padded batch as one varlen problem over the flattened ``B·S`` sequence axis (``padding_as_varlen``).
+
+    ``cu_seqlens`` (int32) cuts each batch entry into its pad prefix ``[b·S, b·S + start_b)`` (when nonempty) and
+    its live segment ``[b·S + start_b, (b+1)·S)``; the kernel runs causal (+ ``window``) attention inside each
+    segment, top-left aligned, and ``dead_rows`` (1, B·S) are the rows with an exactly zero output gradient
+    (given LSE = +inf: P = 0). ``pack``/``unpack`` move (B, H, S, ·) tensors to (1, H, B·S, ·) and back (views
+    where the strides allow, e.g. HF's (B, S, H, D) transposed; a copy otherwise)."""
+    cu_seqlens: Tensor
+    max_seqlen: int
+    window: Tuple[int, int]
+    dead_rows: Tensor
+    batch: int
+    seq: int
+
+    def pack(self, t: Tensor) -> Tensor:
+        """(B, H, S, ...) -> (1, H, B·S, ...)."""
+        return t.transpose(0, 1).reshape(t.shape[1], self.batch * self.seq, *t.shape[3:]).unsqueeze(0)
+
+    def unpack(self, t: Tensor) -> Tensor:
+        """(1, H, B·S, ...) -> (B, H, S, ...)."""
+        return t[0].reshape(t.shape[1], self.batch, self.seq, *t.shape[3:]).transpose(0, 1)
+
+
+def _segment_starts(m: Tensor, live: Tensor) -> Tensor:
+    """(B,) the first key column any live row of each batch entry sees (0 where no live row sees any)."""
+    sq, sk = m.shape[-2:]
+    cols = torch.arange(sk, device=m.device)
+    first = torch.where(m, cols, sk).amin(-1)                       # (B, Sq): first visible key per row
+    first = torch.where(live, first, sk).amin(-1)                   # (B,): over live rows
+    return torch.where(first >= sk, torch.zeros_like(first), first)
+
+
+def padding_as_varlen(attn_mask: Optional[Tensor], do: Tensor, sq: int, sk: int) -> Optional[PackedPadding]:
+    """Left (and/or right) padding: a boolean (B or 1, 1, S, S) mask under which every row with a nonzero
+    output gradient of batch entry b sees exactly the keys ``start_b <= j <= i`` (within a causal window if the
+    mask shows one), ``start_b`` the number of left-pad positions of b. Returns the ``PackedPadding`` that hands
+    this to the kernel as varlen segments (exact), or None.
+
+    Why exact: a live row's visible keys are its causal keys inside its own segment, which is what varlen
+    attention computes; the keys before ``start_b`` are never seen by a live row, so within b they form their
+    own segment seen only by dead rows; every zero-dO row contributes nothing to any gradient and gets LSE =
+    +inf in the kernel (and P·0 = 0 in the FP32 tier). HF's left-padded masks have fully masked pad rows (the
+    eager float mask gives them uniform weights, the boolean one none): with zero dO neither matters."""
+    if attn_mask is None or attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1] != 1 \
+            or attn_mask.shape[-2:] != (sq, sk) or sq != sk or attn_mask.shape[0] not in (1, do.shape[0]):
+        return None
+    batch = do.shape[0]
+    m = attn_mask[:, 0].expand(batch, sq, sk)
+    live = do.abs().amax(dim=(1, 3)) != 0                            # (B, Sq)
+    starts = _segment_starts(m, live)
+    rows = torch.arange(sq, device=m.device)
+    if bool((live & (rows[None, :] < starts[:, None])).any()):
+        return None  # a live row inside the pad prefix sees no key: varlen would give it the pad keys
+    i = torch.arange(sq, device=m.device)[:, None]
+    j = torch.arange(sk, device=m.device)[None, :]
+    widest = int(m.sum(-1).max()) if m.numel() else 0
+    for left in dict.fromkeys((-1, widest - 1 if widest < sk else -1)):
+        causal = MaskSpec(causal=True, window=(left, -1)).visible(i, j, sq, sk)      # (S, S)
+        expected = causal[None] & (j[None] >= starts[:, None, None])                 # (B, S, S)
+        if bool(((m != expected).any(-1) & live).any()):
+            continue
+        bounds = torch.arange(batch + 1, device=m.device) * sq
+        inner = (torch.arange(batch, device=m.device) * sq + starts)[starts > 0]
+        cu = torch.unique(torch.cat([bounds, inner])).to(torch.int32)   # sorted, empty segments dropped
+        max_len = int((cu[1:] - cu[:-1]).max())
+        return PackedPadding(cu_seqlens=cu, max_seqlen=max_len, window=(left, -1),
+                             dead_rows=(~live).reshape(1, batch * sq), batch=batch, seq=sq)
+    return None
+
+
+def packed_call(pad: PackedPadding, problem, *, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor],
+                lse: Optional[Tensor]):
+    """(BackwardTensors, Problem) of a padded call as its packed varlen problem (``router.run_backward`` takes
+    them; ``unpack_grads`` brings the gradients back). ``problem`` keeps its scale, softcap and sink."""
+    from ..record import Problem
+    from ..router import BackwardTensors
+    packed_lse = None
+    if lse is not None:
+        from ..backends.spec import normalize_lse
+        packed_lse = pad.pack(normalize_lse(lse, *q.shape[:3]).unsqueeze(-1)).squeeze(-1)
+    tensors = BackwardTensors(pad.pack(do), pad.pack(q), pad.pack(k), pad.pack(v),
+                              None if out is None else pad.pack(out), packed_lse, dead_rows=pad.dead_rows)
+    packed = Problem(scale=problem.scale, causal=True, causal_align="top_left", window=pad.window,
+                     softcap=problem.softcap, cu_seqlens_q=pad.cu_seqlens, cu_seqlens_k=pad.cu_seqlens,
+                     max_seqlen_q=pad.max_seqlen, max_seqlen_k=pad.max_seqlen, sink=problem.sink)
+    return tensors, packed
+
+
+def unpack_grads(pad: PackedPadding, grads):
+    """(dq, dk, dv[, dsink]) of the packed problem in the (B, H, S, D) layout (dsink unchanged)."""
+    return tuple(pad.unpack(g) if i < 3 else g for i, g in enumerate(grads))
