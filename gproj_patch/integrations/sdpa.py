@@ -15,15 +15,34 @@ given, and take over as they would without the patch. A mode that forwards the c
 the mode off and gets the corrected backward. Subclasses without ``__torch_function__`` (DTensor, FakeTensor)
 take the original path (``ops/sdpa.unsupported_reason``).
 
-Limitation. Code that bound the function before ``enable()`` (``from torch.nn.functional import
-scaled_dot_product_attention`` at import time, or ``torch._C._nn.scaled_dot_product_attention``) keeps the
-original, uncorrected backward. Call ``gproj_patch.attention`` there instead (same signature).
+Names bound before ``enable()``. Code that bound the function at import time (``from torch.nn.functional import
+scaled_dot_product_attention``, ``sdpa = F.scaled_dot_product_attention``, ``torch._C._nn.scaled_dot_product_attention``
+under any name) holds the C builtin, which the wrapper on ``F`` does not reach. ``install()`` therefore scans
+the globals of every module in ``sys.modules`` for that very object (identity, never equality; nothing is
+imported, module ``__getattr__`` never runs), rebinds each hit to the wrapper, logs the list once, and
+``uninstall()`` puts back exactly those bindings that still hold the wrapper. Excluded (``EXCLUDED_PACKAGES``):
+``torch`` and its submodules — ``torch._C._nn`` and ``torch.nn.functional`` define the function (the latter is
+the attribute patched above), and torch's internals that hold or compare it (``torch.nn.attention.bias``'s
+``__torch_function__`` implementation, the tracing and export identity tables of dynamo, fx, onnx) must keep
+seeing the builtin —, and ``gproj_patch`` itself, whose ``ops/sdpa.C_SDPA`` *is* the original the wrapper calls
+(rebinding it would make the wrapper call itself). Modules imported while the hook is installed read ``F``'s
+attribute and bind the wrapper themselves; after ``uninstall()`` the wrapper they hold passes every call to the
+original untouched, so ``disable()`` turns them off too. Not reached: references held elsewhere than a module
+global (class attributes, closures, ``functools.partial``, containers); call ``gproj_patch.attention`` there, or
+look the function up at call time. To call the unpatched builtin while enabled, look it up at call time from
+``torch._C._nn`` (excluded from the scan).
 """
 from __future__ import annotations
 
 import functools
 import logging
+import operator
+import sys
 import threading
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +75,11 @@ _TENSOR_ARGS = ("query", "key", "value", "attn_mask")
 @functools.wraps(sdpa_op.C_SDPA)
 def scaled_dot_product_attention(*args, **kwargs):
     """``F.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-    scale=None, enable_gqa=False)`` with the corrected backward (arguments passed on exactly as given)."""
+    scale=None, enable_gqa=False)`` with the corrected backward (arguments passed on exactly as given).
+    While the hook is not installed (a module bound this wrapper during ``enable()``, then ``disable()`` ran)
+    every call goes to the original function untouched."""
+    if _saved is None:
+        return sdpa_op.original_sdpa()(*args, **kwargs)
     relevant = tuple(a for a in args[:4] if a is not None) + \
         tuple(kwargs[n] for n in _TENSOR_ARGS if kwargs.get(n) is not None)
     if has_torch_function(relevant):
@@ -80,19 +103,123 @@ def _dispatch_override(relevant, args, kwargs):
 scaled_dot_product_attention.__gproj_patched__ = True
 
 
+# ------------------------------------------------------------------------------------------------------------
+# names bound before install() (module docstring)
+
+#: packages whose module globals are never rebound: torch (defines the function; its internals must see the
+#: builtin) and this package (``ops/sdpa.C_SDPA`` is the original the wrapper calls)
+EXCLUDED_PACKAGES = ("torch", "gproj_patch")
+
+
+@dataclass(frozen=True)
+class BoundName:
+    """One module global that held the original function and now holds the wrapper."""
+    module_name: str
+    name: str
+    module: Callable[[], Optional[types.ModuleType]]  # weak reference: a module dropped from sys.modules is freed
+
+
+_bound: List[BoundName] = []   # what install() rebound, restored by uninstall()
+_last_report: Tuple[str, ...] = ()  # the list last logged (logged again only when it changes)
+
+
+def excluded_module(module_name: str) -> bool:
+    """True for a module of ``EXCLUDED_PACKAGES`` (its globals are never rebound)."""
+    return any(module_name == pkg or module_name.startswith(pkg + ".") for pkg in EXCLUDED_PACKAGES)
+
+
+def _namespace(module) -> Optional[dict]:
+    """A module's globals, read without running any ``__getattr__``/``__getattribute__`` of the object (None
+    for entries of ``sys.modules`` that are not modules)."""
+    if not issubclass(type(module), types.ModuleType):
+        return None
+    try:
+        namespace = object.__getattribute__(module, "__dict__")
+    except Exception:  # noqa: BLE001 - an exotic module without a namespace is skipped
+        return None
+    return namespace if type(namespace) is dict else None
+
+
+def _weak(module: types.ModuleType) -> Callable[[], Optional[types.ModuleType]]:
+    try:
+        return weakref.ref(module)
+    except TypeError:  # a module subclass without weak references: held strongly
+        return lambda: module
+
+
+def find_bound_names(target) -> List[Tuple[types.ModuleType, str, str]]:
+    """(module, module name, attribute) of every global, outside ``EXCLUDED_PACKAGES``, that *is* ``target``.
+    One identity pass over each module's values (no equality, no import); modules without it are skipped."""
+    is_target = functools.partial(operator.is_, target)
+    hits = []
+    for module_name, module in list(sys.modules.items()):
+        if not isinstance(module_name, str) or excluded_module(module_name):
+            continue
+        namespace = _namespace(module)
+        if namespace is None or not any(map(is_target, list(namespace.values()))):
+            continue
+        hits.extend((module, module_name, name) for name, value in list(namespace.items()) if value is target)
+    return hits
+
+
+def _rebind_bound_names(original) -> List[BoundName]:
+    bound = []
+    for module, module_name, name in find_bound_names(original):
+        namespace = _namespace(module)
+        if namespace.get(name) is original:  # still the original (another thread may have changed it)
+            namespace[name] = scaled_dot_product_attention
+            bound.append(BoundName(module_name=module_name, name=name, module=_weak(module)))
+    return bound
+
+
+def _report(bound: List[BoundName]) -> None:
+    global _last_report
+    names = tuple(f"{b.module_name}.{b.name}" for b in bound)
+    if names and names != _last_report:
+        logger.warning("scaled_dot_product_attention was bound before enable() in %d module global(s), now "
+                       "patched (restored by disable()): %s", len(names), ", ".join(names))
+        _last_report = names
+
+
+def _restore_bound_names(original) -> None:
+    while _bound:
+        b = _bound.pop()
+        module = b.module()
+        namespace = None if module is None else _namespace(module)
+        if namespace is None:
+            continue
+        if namespace.get(b.name) is scaled_dot_product_attention:
+            namespace[b.name] = original
+        else:
+            logger.warning("%s.%s was rebound after enable() to %r; left as it is", b.module_name, b.name,
+                           namespace.get(b.name))
+
+
+def bound_names() -> List[str]:
+    """``"module.attribute"`` of each global ``install()`` rebound to the wrapper (empty when not installed)."""
+    return [f"{b.module_name}.{b.name}" for b in _bound]
+
+
+# ------------------------------------------------------------------------------------------------------------
+
 def is_installed() -> bool:
     return _saved is not None
 
 
 def install() -> str:
+    """Put the wrapper on ``F`` and on every module global that held the original (``find_bound_names``)."""
     global _saved
     if _saved is not None:
         return "installed"
     current = F.scaled_dot_product_attention
+    ours = getattr(current, "__gproj_patched__", False)
     _saved = current
-    sdpa_op.set_original(None if getattr(current, "__gproj_patched__", False) else current)
+    sdpa_op.set_original(None if ours else current)
     F.scaled_dot_product_attention = scaled_dot_product_attention
-    return "installed"
+    if not ours:
+        _bound.extend(_rebind_bound_names(current))
+        _report(_bound)
+    return "installed"  # the rebound names: bound_names() and the log line
 
 
 def uninstall() -> None:
@@ -104,5 +231,6 @@ def uninstall() -> None:
     else:
         logger.warning("torch.nn.functional.scaled_dot_product_attention was replaced after enable() by %r; "
                        "left as it is", F.scaled_dot_product_attention)
+    _restore_bound_names(_saved)
     sdpa_op.set_original(None)
     _saved = None
