@@ -1,0 +1,411 @@
+"""Matched short training runs that differ only in the attention backward (issue 12, "Training evidence").
+
+    PYTHONPATH=. python benchmarks/training_regime.py                # H200: all arms, within --time-budget
+    PYTHONPATH=. python benchmarks/training_regime.py --cpu --small  # the same code path on a CPU, < 1 min
+
+Arms (same seed, same init, same data order, BF16 autocast over FP32 master weights, AdamW, clipping):
+``unpatched`` (PyTorch's fused BF16 SDPA backward: cuDNN on the H200, the CPU flash kernel on a CPU), ``gproj``
+(``gproj_patch.enable(mode="gproj")``: the GProj Triton kernel on CUDA; on a CPU there is no kernel and the
+FP32 tier runs), ``auto`` (``mode="auto"``: the policy picks a tier per layer from the detector, told nothing
+about the model), ``fp32`` (``mode="fp32"``: FP32 attention backward with the projection, the reference). The
+forward is the fused BF16 SDPA forward in every arm; ``step0_forward_bitwise_equal`` checks the logits.
+The arms run in lockstep blocks of ``--eval-every`` steps, so a wall-clock budget stops them all at one step.
+
+Model: a Llama-style decoder from a ``LlamaConfig`` (no download), head dim 64, no QK-norm, no softcap, HF's
+``"sdpa"`` attention, RoPE base ``--rope-theta`` (5e5, Llama 3's), byte vocabulary. Data:
+``training_regime_data.py`` (Python's standard library source, bytes).
+
+The regime, induced: the paper's model reached it after 25B tokens; here ``--offset-layers`` get, at init, a
+frozen bias on ``k_proj`` along the lowest-frequency RoPE pair of every KV head (coordinates D/2−1 and D−1,
+which RoPE rotates by < 2e-3 rad over the sequence at base 5e5), sized so the keys' offset ratio
+R_k = ‖mean key‖ / RMS‖k_j − mean key‖ is ``--offset-rk`` at init. Why this mechanism: a common key translation
+is the softmax gauge — the exact forward and exact gradients are (up to that small rotation) unchanged, so an
+exact-arithmetic run would not notice it — while a backward that rounds dS leaks α·ρ_i·(mean key) into dq
+(DESIGN §1). That is the regime's defining property (keys far from their spread), without changing what the
+model can learn. Frozen, because its exact gradient is ~0 and Adam would turn rounding noise into unit-size
+steps; the regime is held, not grown. Nothing tells an arm which layers carry it.
+
+Logged per step and arm: training loss, pre-clip global gradient norm, per layer R_k, max |logit| and mean row
+max of P (``training_regime_probe.layer_statistics``), the tier ``auto`` holds per layer (``policy.stats()``);
+held-out loss every ``--eval-every`` steps; at checkpoints (every ``--checkpoint-every`` steps and after the
+last step) each layer's dq/dk/dv error against the fp64 oracle on that step's recorded attention inputs, and the
+gap (cosine, relative difference, norm ratio) between the arm's full-model gradient and the FP32-tier gradient
+of the same weights on the same batch. Writes ``training_regime.json``, ``training_regime.png`` and
+``training_regime.log`` under ``--out``; the table of final figures is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import gproj_patch  # noqa: E402
+from gproj_patch import policy  # noqa: E402
+from gproj_patch.layer_tracking import track_layers  # noqa: E402
+
+import training_regime_data as data  # noqa: E402
+import training_regime_probe as probe  # noqa: E402
+import training_regime_report as report  # noqa: E402
+
+log = logging.getLogger("training_regime")
+
+ARM_MODES = {"unpatched": None, "gproj": "gproj", "auto": "auto", "fp32": "fp32"}
+REFERENCE_ARM = "fp32"
+SDPA_ONLY = ("sdpa",)
+HEAD_DIM = 64
+LAYER_NAME = "model.layers.{}.self_attn"  # track_layers' names for a LlamaForCausalLM
+#: Torch threads on a CPU: small ops on a shared 2-core machine otherwise time the OpenMP wake-ups (×3-10 slower)
+CPU_THREADS = 1
+
+
+@dataclass
+class RunConfig:
+    layers: int = 8
+    hidden: int = 512
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 2048
+    seq: int = 512
+    batch: int = 16
+    max_steps: int = 3000
+    time_budget: float = 330.0       # seconds of the lockstep training loop (checked between blocks)
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.1
+    beta2: float = 0.95
+    clip: float = 1.0
+    rope_theta: float = 5e5
+    offset_layers: Tuple[int, ...] = (2, 5)
+    offset_rk: float = 512.0
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 500
+    sample_every: int = 10
+    oracle_seqs: int = 4
+    max_bytes: Optional[int] = None
+    seed: int = 0
+    arms: Tuple[str, ...] = tuple(ARM_MODES)
+    device: str = "cuda"
+
+
+SMALL = dict(layers=3, hidden=128, heads=2, kv_heads=1, intermediate=256, seq=128, batch=4, max_steps=12,
+             time_budget=30.0, warmup=4, eval_every=4, eval_batches=2, checkpoint_every=8, sample_every=4,
+             offset_layers=(1,), oracle_seqs=2, max_bytes=1 << 20)
+
+
+@dataclass
+class Arm:
+    name: str
+    mode: Optional[str]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    curves: Dict[str, list] = field(default_factory=lambda: {
+        "step": [], "loss": [], "grad_norm": [], "lr": [], "r_k": [], "max_logit": [], "p_max": [],
+        "auto_tier": [], "detector_r_k": [], "heldout_step": [], "heldout_loss": [], "checkpoints": [],
+        "backward_calls": {}, "fallback_reasons": {}, "seconds": 0.0})
+
+
+class PatchSwitch:
+    """The one place that turns the patch on/off between arms (public API only)."""
+
+    def __init__(self, sample_every: int):
+        self.sample_every = sample_every
+        self.mode = "unset"
+
+    def use(self, mode: Optional[str]) -> None:
+        if mode == self.mode:
+            return
+        gproj_patch.disable()
+        if mode is not None:
+            options = {"sample_every": self.sample_every} if mode == "auto" else {}
+            gproj_patch.enable(mode=mode, targets=SDPA_ONLY, **options)
+        self.mode = mode
+
+
+def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf = LlamaConfig(vocab_size=data.VOCAB, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                     num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                     head_dim=HEAD_DIM, max_position_embeddings=cfg.seq, attention_bias=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                     tie_word_embeddings=False)
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(hf)
+    model.config._attn_implementation = "sdpa"
+    return model.to(device)
+
+
+def key_spread(model: torch.nn.Module, layer: int, ids: torch.Tensor) -> float:
+    """RMS_j ‖k_j − mean key‖ of ``layer``'s k_proj output (pre-RoPE), averaged over sequences and KV heads."""
+    seen = {}
+    proj = model.model.layers[layer].self_attn.k_proj
+    hook = proj.register_forward_hook(lambda m, i, o: seen.__setitem__("k", o.detach().float()))
+    with torch.no_grad():
+        model(input_ids=ids)
+    hook.remove()
+    k = seen["k"]
+    k = k.view(k.shape[0], k.shape[1], -1, HEAD_DIM).transpose(1, 2)  # (B, Hkv, S, D)
+    return (k - k.mean(2, keepdim=True)).pow(2).sum(-1).mean().sqrt().item()
+
+
+def induce_key_offset(model: torch.nn.Module, cfg: RunConfig, ids: torch.Tensor) -> Dict[str, object]:
+    """Frozen k_proj bias on the lowest-frequency RoPE pair of every KV head of ``cfg.offset_layers``."""
+    info = {"layers": list(cfg.offset_layers), "target_r_k": cfg.offset_rk, "spread": {}, "bias_norm": {}}
+    pair = (HEAD_DIM // 2 - 1, HEAD_DIM - 1)
+    for layer in cfg.offset_layers:
+        spread = key_spread(model, layer, ids)
+        proj = model.model.layers[layer].self_attn.k_proj
+        bias = torch.zeros(proj.out_features, device=proj.weight.device)
+        per_coord = cfg.offset_rk * spread / 2 ** 0.5  # two coordinates: ‖b‖ = offset_rk · spread per KV head
+        for c in pair:
+            bias[c::HEAD_DIM] = per_coord
+        proj.bias = torch.nn.Parameter(bias, requires_grad=False)
+        info["spread"][layer] = spread
+        info["bias_norm"][layer] = per_coord * 2 ** 0.5
+    return info
+
+
+def lm_loss(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        logits = model(input_ids=ids).logits
+    loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return loss, logits
+
+
+def learning_rate(cfg: RunConfig, step: int) -> float:
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+
+
+def flat_grads_of(model) -> List[Optional[torch.Tensor]]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.switch = PatchSwitch(cfg.sample_every)
+        self.corpus = data.load_corpus(max_bytes=cfg.max_bytes)
+        self.windows = data.train_windows(steps=cfg.max_steps + 1, batch=cfg.batch, seq=cfg.seq,
+                                          n_tokens=len(self.corpus.train), seed=cfg.seed)
+        held = data.heldout_windows(count=cfg.eval_batches * cfg.batch, seq=cfg.seq, n_tokens=len(self.corpus.heldout))
+        self.heldout = data.gather(self.corpus.heldout, held, cfg.seq).view(cfg.eval_batches, cfg.batch, cfg.seq)
+        base = build_model(cfg, self.device)
+        self.offset = induce_key_offset(base, cfg, self.batch(0))
+        self.params = sum(p.numel() for p in base.parameters())
+        self.arms = []
+        for name in cfg.arms:
+            model = copy.deepcopy(base)
+            track_layers(model)  # names the attention calls after their modules (for auto's records)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
+            self.arms.append(Arm(name, ARM_MODES[name], model, opt))
+        self.step0_logits: Dict[str, torch.Tensor] = {}
+
+    def batch(self, step: int) -> torch.Tensor:
+        return data.gather(self.corpus.train, self.windows[step], self.cfg.seq).to(self.device)
+
+    # --- one arm, one step ---------------------------------------------------------------------------
+    def train_step(self, arm: Arm, step: int, checkpoint: bool, update: bool = True) -> None:
+        cfg, ids = self.cfg, self.batch(step)
+        self.switch.use(arm.mode)
+        if arm.mode == "auto":
+            policy.set_step(step)
+        gproj_patch.reset_stats()
+        arm.optimizer.zero_grad(set_to_none=True)
+        with probe.AttentionRecorder(grads=checkpoint, keep_seqs=max(cfg.oracle_seqs, probe.STATS_SEQS)) as rec:
+            loss, logits = lm_loss(arm.model, ids, self.device)
+            if step == 0 and update:
+                self.step0_logits[arm.name] = logits.detach()
+            loss.backward()
+        self._count_backward(arm)
+        c = arm.curves
+        if update:
+            stats = probe.layer_statistics(rec.calls)
+            for key in ("r_k", "max_logit", "p_max"):
+                c[key].append(stats[key])
+            self._record_auto(arm)
+        if checkpoint:
+            self._checkpoint(arm, step, ids, rec)
+        if not update:
+            return
+        grad_norm = torch.nn.utils.clip_grad_norm_(arm.optimizer.param_groups[0]["params"], cfg.clip)
+        lr = learning_rate(cfg, step)
+        for group in arm.optimizer.param_groups:
+            group["lr"] = lr
+        arm.optimizer.step()
+        c["step"].append(step)
+        c["lr"].append(lr)
+        values = torch.stack([loss.detach().float(), grad_norm.float()]).cpu().tolist()
+        c["loss"].append(values[0])
+        c["grad_norm"].append(values[1])
+
+    def _count_backward(self, arm: Arm) -> None:
+        st = gproj_patch.stats()
+        calls = arm.curves["backward_calls"]
+        for tier in ("gproj", "fp32", "original"):
+            calls[tier] = calls.get(tier, 0) + int(st.get(tier, 0))
+        for reason, n in st.get("fallback_reasons", {}).items():
+            arm.curves["fallback_reasons"][reason] = arm.curves["fallback_reasons"].get(reason, 0) + n
+
+    def _record_auto(self, arm: Arm) -> None:
+        if arm.mode != "auto":
+            return
+        recs = policy.stats()
+        names = [LAYER_NAME.format(i) for i in range(self.cfg.layers)]
+        arm.curves["auto_tier"].append([recs.get(n, {}).get("tier") for n in names])
+        arm.curves["detector_r_k"].append([recs.get(n, {}).get("stats", {}).get("r_k") for n in names])
+
+    def _checkpoint(self, arm: Arm, step: int, ids: torch.Tensor, rec: probe.AttentionRecorder) -> None:
+        entry = {"step": step, "oracle": probe.oracle_errors(rec.calls)}
+        if arm.name != REFERENCE_ARM:
+            own = flat_grads_of(arm.model)
+            g = probe.flat_grad(arm.model)
+            self.switch.use(ARM_MODES[REFERENCE_ARM])
+            arm.model.zero_grad(set_to_none=True)
+            ref_loss, _ = lm_loss(arm.model, ids, self.device)
+            ref_loss.backward()
+            entry["gap_vs_fp32_backward"] = probe.gradient_gap(g, probe.flat_grad(arm.model))
+            for p, saved in zip(arm.model.parameters(), own):
+                p.grad = saved
+            self.switch.use(arm.mode)
+        arm.curves["checkpoints"].append(entry)
+
+    def evaluate(self, arm: Arm, step: int) -> None:
+        with torch.no_grad():
+            losses = [lm_loss(arm.model, ids.to(self.device), self.device)[0] for ids in self.heldout]
+        arm.curves["heldout_step"].append(step)
+        arm.curves["heldout_loss"].append(torch.stack(losses).mean().item())
+
+    # --- the lockstep loop -----------------------------------------------------------------------------
+    def run(self, progress) -> int:
+        cfg, step, t0, last_block = self.cfg, 0, time.perf_counter(), 0.0
+        while step < cfg.max_steps:
+            end = min(step + cfg.eval_every, cfg.max_steps)
+            tb = time.perf_counter()
+            for arm in self.arms:
+                ta = time.perf_counter()
+                self.switch.use(arm.mode)
+                self.evaluate(arm, step)
+                for s in range(step, end):
+                    self.train_step(arm, s, checkpoint=s % cfg.checkpoint_every == 0)
+                self._sync()
+                arm.curves["seconds"] += time.perf_counter() - ta
+            progress(end, {a.name: a.curves["loss"][-1] for a in self.arms})
+            step, last_block = end, time.perf_counter() - tb
+            if time.perf_counter() - t0 + last_block > cfg.time_budget:
+                log.info("time budget %.0f s reached after step %d", cfg.time_budget, step)
+                break
+        for arm in self.arms:  # final figures on the final weights; the checkpoint pass updates nothing
+            self.switch.use(arm.mode)
+            self.evaluate(arm, step)
+            self.train_step(arm, step, checkpoint=True, update=False)
+        self.switch.use(None)
+        return step
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step0_equal(self) -> Dict[str, bool]:
+        first = next(iter(self.step0_logits.values()))
+        return {name: bool(torch.equal(first, lg)) for name, lg in self.step0_logits.items()}
+
+
+def parse_args(argv=None) -> Tuple[RunConfig, argparse.Namespace]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU")
+    ap.add_argument("--small", action="store_true", help="tiny model and run (smoke test of the same code path)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--threads", type=int, default=CPU_THREADS, help="torch threads on a CPU")
+    for f in fields(RunConfig):
+        if f.name in ("device", "arms", "offset_layers"):
+            continue
+        kind = float if f.type in ("float", "Optional[float]") else int
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None)
+    ap.add_argument("--offset-layers", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=None)
+    ap.add_argument("--arms", type=lambda s: tuple(s.split(",")), default=None)
+    args = ap.parse_args(argv)
+    values = dict(SMALL) if args.small else {}
+    values.update({f.name: getattr(args, f.name) for f in fields(RunConfig)
+                   if f.name != "device" and getattr(args, f.name, None) is not None})
+    values["device"] = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
+    cfg = RunConfig(**values)
+    unknown = [a for a in cfg.arms if a not in ARM_MODES]
+    if unknown or REFERENCE_ARM not in cfg.arms:
+        ap.error(f"--arms must name arms of {list(ARM_MODES)} and include {REFERENCE_ARM!r}; got {cfg.arms}")
+    return cfg, args
+
+
+def environment(device: torch.device) -> Dict[str, str]:
+    import transformers
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
+           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = "not installed"
+    return env
+
+
+def main(argv=None) -> dict:
+    cfg, args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "training_regime.log")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True,
+                        handlers=[logging.FileHandler(log_path, mode="w"), logging.StreamHandler(sys.stderr)])
+    t0 = time.time()
+    threads = torch.get_num_threads()
+    if cfg.device == "cpu":
+        torch.set_num_threads(args.threads)
+    try:
+        results = _run(cfg, args, log_path, t0)
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def _run(cfg: RunConfig, args: argparse.Namespace, log_path: str, t0: float) -> dict:
+    gproj_patch.disable()
+    policy.reset()
+    trainer = Trainer(cfg)
+    log.info("config %s", asdict(cfg))
+    log.info("%d parameters; corpus %s: %d train files (%d bytes), %d held-out files (%d bytes); offset %s",
+             trainer.params, trainer.corpus.root, trainer.corpus.files_train, len(trainer.corpus.train),
+             trainer.corpus.files_heldout, len(trainer.corpus.heldout), trainer.offset)
+    with report.Progress(total=cfg.max_steps) as bar:
+        steps = trainer.run(bar.update)
+    results = {"config": asdict(cfg), "environment": environment(trainer.device), "parameters": trainer.params,
+               "corpus": {"root": trainer.corpus.root, "train_bytes": len(trainer.corpus.train),
+                          "heldout_bytes": len(trainer.corpus.heldout), "train_files": trainer.corpus.files_train,
+                          "heldout_files": trainer.corpus.files_heldout},
+               "offset": trainer.offset, "steps": steps, "step0_forward_bitwise_equal": trainer.step0_equal(),
+               "arms": {a.name: a.curves for a in trainer.arms}, "seconds": time.time() - t0}
+    results["summary"] = report.summarize(results)
+    with open(os.path.join(args.out, "training_regime.json"), "w") as f:
+        json.dump(report.compact(results), f)
+    if not args.no_plot:
+        report.plot(results, os.path.join(args.out, "training_regime.png"))
+    text = report.table(results)
+    with open(log_path, "a") as f:
+        f.write(text + "\n")
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""CPU run of ``benchmarks/training_regime.py --cpu --small`` (issue 12): the plumbing, not the science.
+
+One small lockstep run of the four arms (~20 s on one CPU thread) shared by the tests below, plus unit checks of
+its data split and of its statistics against direct fp64 computations. On a CPU the ``gproj`` arm runs the FP32
+tier (no GPU kernel), so ``gproj`` and ``fp32`` coincide here; the unpatched arm is PyTorch's CPU flash backward,
+which rounds dS to BF16 like the fused GPU kernels.
+"""
+import importlib
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+sys.path.insert(0, BENCH)
+tr = importlib.import_module("training_regime")
+data = importlib.import_module("training_regime_data")
+probe = importlib.import_module("training_regime_probe")
+
+import gproj_patch  # noqa: E402
+
+ARMS = ("unpatched", "gproj", "auto", "fp32")
+#: The regime's leak must be visible: uncorrected dq error on the offset layer at R_k = 512 is ~100 % (≥ 20 %).
+REGIME_DQ_ERROR = 0.20
+#: Corrected backwards return BF16 gradients: their error against fp64 is the BF16 rounding floor (~0.16 %).
+CORRECTED_DQ_ERROR = 0.005
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("training_regime")
+    gproj_patch.disable()
+    try:
+        results = tr.main(["--cpu", "--small", "--out", str(out)])
+    finally:
+        gproj_patch.disable()
+    return results, out
+
+
+def test_forwards_bitwise_equal_at_step0(run):
+    results, _ = run
+    assert set(results["step0_forward_bitwise_equal"]) == set(ARMS)
+    assert all(results["step0_forward_bitwise_equal"].values()), results["step0_forward_bitwise_equal"]
+    first_losses = {a: results["arms"][a]["loss"][0] for a in ARMS}
+    assert len(set(first_losses.values())) == 1, first_losses
+
+
+def test_outputs_and_curves(run):
+    results, out = run
+    cfg = results["config"]
+    with open(out / "training_regime.json") as f:
+        saved = json.load(f)
+    assert saved["steps"] == results["steps"] == cfg["max_steps"]
+    assert (out / "training_regime.png").stat().st_size > 10_000
+    log_text = (out / "training_regime.log").read_text()
+    assert "step-0 forward bitwise equal across arms" in log_text
+    assert all(any(line.startswith(f"{name:10s} | ") for line in log_text.splitlines()) for name in ARMS)
+    for name in ARMS:
+        c = saved["arms"][name]
+        assert c["step"] == list(range(cfg["max_steps"]))
+        assert len(c["loss"]) == len(c["grad_norm"]) == len(c["r_k"]) == len(c["max_logit"]) == cfg["max_steps"]
+        assert all(math.isfinite(x) for x in c["loss"] + c["grad_norm"])
+        assert all(len(r) == cfg["layers"] for r in c["r_k"] + c["max_logit"] + c["p_max"])
+        assert c["heldout_step"] == list(range(0, cfg["max_steps"] + 1, cfg["eval_every"]))
+        # checkpoints every checkpoint_every steps, and one more on the final weights
+        assert [e["step"] for e in c["checkpoints"]] == list(range(0, cfg["max_steps"], cfg["checkpoint_every"])) \
+            + [cfg["max_steps"]]
+        assert all(len(e["oracle"]) == cfg["layers"] for e in c["checkpoints"])
+    assert saved["arms"]["auto"]["auto_tier"] and not saved["arms"]["fp32"]["auto_tier"]
+
+
+def test_grad_norm_is_pre_clip(run):
+    """The logged norm is clip_grad_norm_'s return value: it exceeds the clip threshold at the start."""
+    results, _ = run
+    norms = results["arms"]["fp32"]["grad_norm"]
+    assert max(norms) > 2 * results["config"]["clip"], norms
+
+
+def test_regime_reached_and_seen_by_the_oracle(run):
+    results, _ = run
+    cfg, arms = results["config"], results["arms"]
+    for layer in cfg["offset_layers"]:
+        r_k0 = arms["unpatched"]["r_k"][0][layer]
+        assert 0.5 * cfg["offset_rk"] < r_k0 < 2 * cfg["offset_rk"], r_k0
+        for name in ARMS:
+            for entry in arms[name]["checkpoints"]:
+                dq = entry["oracle"][layer]["dq"]
+                if name == "unpatched":
+                    assert dq > REGIME_DQ_ERROR, (name, entry)
+                else:
+                    assert dq < CORRECTED_DQ_ERROR, (name, entry)
+    gap_unpatched = arms["unpatched"]["checkpoints"][-1]["gap_vs_fp32_backward"]
+    gap_gproj = arms["gproj"]["checkpoints"][-1]["gap_vs_fp32_backward"]
+    assert gap_unpatched["rel_diff"] > 10 * gap_gproj["rel_diff"] + 1e-6, (gap_unpatched, gap_gproj)
+    assert gap_unpatched["cosine"] < 1.0
+
+
+def test_auto_flags_offset_layers_and_agrees_with_the_oracle(run):
+    """auto is told nothing: it must move the offset layers off 'original'; at step 0 (same weights, same batch
+    in every arm) the layers it left on 'original' must be ones whose uncorrected backward the oracle finds close."""
+    results, _ = run
+    cfg, arms = results["config"], results["arms"]
+    tiers0 = arms["auto"]["auto_tier"][0]
+    assert all(tiers0[i] != "original" for i in cfg["offset_layers"]), tiers0
+    assert set(cfg["offset_layers"]) <= set(results["summary"]["auto"]["auto_off_original_end"])
+    unpatched0 = arms["unpatched"]["checkpoints"][0]["oracle"]
+    for i, tier in enumerate(tiers0):
+        if tier == "original":
+            assert unpatched0[i]["dq"] < 0.02, (i, unpatched0[i])
+        assert arms["auto"]["checkpoints"][0]["oracle"][i]["dq"] < 0.03, i
+
+
+def test_r_k_matches_the_detector_on_sampled_steps(run):
+    """Our R_k (training_regime_probe, full batch here) against the detector's (policy.stats()) on the same call."""
+    results, _ = run
+    cfg, auto = results["config"], results["arms"]["auto"]
+    assert cfg["batch"] <= probe.STATS_SEQS
+    compared = 0
+    for step, (ours, theirs) in enumerate(zip(auto["r_k"], auto["detector_r_k"])):
+        if step % cfg["sample_every"]:
+            continue
+        for a, b in zip(ours, theirs):
+            assert b is not None and a == pytest.approx(b, rel=1e-3), (step, ours, theirs)
+            compared += 1
+    assert compared >= cfg["layers"] * 2
+
+
+def test_offset_ratio_and_logits_against_fp64():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 33, 64, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 33, 64, generator=g, dtype=torch.float64) * 0.5
+    k[:, 1, :, 31] += 40.0
+    expected = torch.empty(2, 2, dtype=torch.float64)
+    for b in range(2):
+        for h in range(2):
+            mean = k[b, h].mean(0)
+            spread = math.sqrt(sum(float((row - mean).dot(row - mean)) for row in k[b, h]) / 33)
+            expected[b, h] = mean.norm() / spread
+    assert torch.allclose(probe.offset_ratio(k).double(), expected, rtol=1e-5)
+    call = probe.AttentionCall(q=q.float(), k=k.float(), v=k.float(), attn_mask=None, is_causal=True, scale=None)
+    stats = probe.layer_statistics([call])
+    s = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, dim=1)) / 8.0
+    visible = torch.ones(33, 33, dtype=torch.bool).tril()
+    s = s.masked_fill(~visible, float("-inf"))
+    assert stats["max_logit"][0] == pytest.approx(s[s.isfinite()].abs().max().item(), rel=1e-5)
+    assert stats["p_max"][0] == pytest.approx(torch.softmax(s, -1).amax(-1).mean().item(), rel=1e-5)
+    assert stats["r_k"][0] == pytest.approx(expected.max().item(), rel=1e-5)
+
+
+def test_gradient_gap():
+    g = torch.tensor([3.0, 4.0])
+    assert probe.gradient_gap(g, g) == pytest.approx({"cosine": 1.0, "rel_diff": 0.0, "norm_ratio": 1.0})
+    gap = probe.gradient_gap(torch.tensor([0.0, 10.0]), g)
+    assert gap == pytest.approx({"cosine": 0.8, "rel_diff": math.sqrt(9 + 36) / 5, "norm_ratio": 2.0})
+
+
+def test_data_split_is_deterministic_and_disjoint(tmp_path):
+    for i in range(45):
+        sub = tmp_path / ("pkg" if i % 3 else "") / f"m{i:02d}.py"
+        sub.parent.mkdir(exist_ok=True)
+        sub.write_bytes(f"# file {i}\n".encode() * (i + 1))
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "x.py").write_bytes(b"excluded")
+    files = data.stdlib_sources(tmp_path)
+    assert len(files) == 45 and all("site-packages" not in p.parts for p in files)
+    names = [p.relative_to(tmp_path).as_posix() for p in files]
+    assert names == sorted(names)
+    corpus = data.load_corpus(root=tmp_path)
+    held = [files[i].read_bytes() for i in range(0, 45, data.HELDOUT_EVERY)]
+    assert bytes(corpus.heldout.tolist()) == data.DOC_SEPARATOR.join(held) + data.DOC_SEPARATOR
+    assert corpus.files_heldout == 3 and corpus.files_train == 42
+    train = bytes(corpus.train.tolist())
+    assert not set(held) & set(train.split(data.DOC_SEPARATOR))
+    a = data.train_windows(steps=5, batch=3, seq=8, n_tokens=len(corpus.train), seed=1)
+    assert torch.equal(a, data.train_windows(steps=5, batch=3, seq=8, n_tokens=len(corpus.train), seed=1))
+    assert not torch.equal(a, data.train_windows(steps=5, batch=3, seq=8, n_tokens=len(corpus.train), seed=2))
+    ids = data.gather(corpus.train, a[0], 8)
+    assert ids.shape == (3, 8) and bytes(ids[0].tolist()) == train[int(a[0, 0]):int(a[0, 0]) + 8]
