@@ -164,6 +164,26 @@ def decide(record, *, q, k, lse) -> str:
         return rec.tier
 
 
+def keeps_original(context) -> bool:
+    """True when this call's backward is already decided at its forward: an ``auto``/``audit`` layer on the
+    ``original`` tier whose current sampling period was sampled. The hook then runs the original SDPA itself
+    (no wrapper, no nested graph): an unflagged layer costs nothing between samples."""
+    if context.mode not in MODES:
+        return False
+    rec = STATE.layers.get(context.layer)
+    return (rec is not None and rec.tier == "original"
+            and rec.sampled_bucket == STATE.step() // context.policy.sample_every)
+
+
+def count_original(context) -> None:
+    """Count a backward of a call ``keeps_original`` passed through (as ``after_backward`` counts)."""
+    with STATE.lock:
+        rec = STATE.layers.get(context.layer)
+        if rec is not None:
+            rec.calls["original"] += 1
+            rec.ran = "original"
+
+
 def after_backward(record, *, tier: str, grads: Sequence[Optional[Any]] = (),
                    fp32_grads: Optional[Callable[[], Sequence[Optional[Any]]]] = None) -> None:
     """Count the tier that ran for the record's layer; in audit mode, on a sampled call, compare ``grads``

@@ -21,6 +21,7 @@ import torch
 from . import config as _config
 from .layer_context import current_layer, layer_id
 from .policy import effective_config
+from .state import STATE
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -72,6 +73,7 @@ def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config
     """The context of a call whose forward runs now: the active configuration (else ``cfg``, else the
     environment's), and the layer name of the open ``layer_scope``, else ``layer``, else ``call{n}``."""
     cfg = _config.active() or cfg or _config.resolve()
+    STATE.forward_started()
     name = current_layer() or layer or layer_id()
     return Context(mode=cfg.mode, tier_option=cfg.tier, layer=name, source=source,
                    policy=effective_config(cfg.policy))

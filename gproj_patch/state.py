@@ -61,15 +61,20 @@ class RuntimeState:
             self.call_index = 0
             self.backward_seen = False
 
+    def forward_started(self) -> None:
+        """Every hooked attention forward calls this: the first one after a backward starts a new step."""
+        if self.backward_seen:
+            with self.lock:
+                if self.backward_seen:
+                    if self.explicit_step is None:
+                        self.implicit_step += 1
+                    self.call_index = 0
+                    self.backward_seen = False
+
     def next_call_name(self) -> str:
-        """``call{n}``: the n-th unnamed attention forward of this step (a forward after a backward starts a
-        new step)."""
+        """``call{n}``: the n-th unnamed attention forward of this step."""
+        self.forward_started()
         with self.lock:
-            if self.backward_seen:
-                if self.explicit_step is None:
-                    self.implicit_step += 1
-                self.call_index = 0
-                self.backward_seen = False
             n = self.call_index
             self.call_index += 1
         return f"call{n}"

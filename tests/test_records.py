@@ -57,10 +57,23 @@ def test_policy_options_are_the_forwards(monkeypatch):
     policy.configure(sample_every=11)  # after the forward: not this call's
     out.float().sum().backward()
     assert seen[0].context.policy.sample_every == 3
-    out = F.scaled_dot_product_attention(q, k, v)
-    out.float().sum().backward()
-    assert seen[1].context.policy.sample_every == 11
+    from gproj_patch.record import make_context
+    assert make_context("sdpa").policy.sample_every == 11  # a call made now gets the new options
     policy.reset(keep_config=False)
+
+
+def test_named_layers_advance_the_step_and_are_resampled(monkeypatch):
+    """A step starts at the first forward after a backward, named layers included: with sample_every=2 a
+    named layer is sampled on steps 0, 2, 4 (the policy measures it again), not only once."""
+    gproj_patch.enable(mode="auto", targets=("sdpa",), sample_every=2)
+    q, k, v = _inputs()
+    for _step in range(5):
+        with gproj_patch.layer_scope("blk.0"):
+            out = F.scaled_dot_product_attention(q, k, v)
+        out.float().sum().backward()
+    rec = policy.stats()["blk.0"]
+    assert policy.current_step() == 4 and rec["samples"] == 3 and rec["last_sampled_step"] == 4
+    assert sum(rec["calls"].values()) == 5 and gproj_patch.stats()["original"] == 5
 
 
 def test_flash_attn_layer_is_the_forwards_and_auto_keeps_one_record_per_layer(monkeypatch):

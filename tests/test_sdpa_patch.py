@@ -10,7 +10,12 @@ from gproj_patch.ops import masks as gp_masks
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.backends.spec import MaskSpec
 
-from torch.nn.functional import scaled_dot_product_attention as bound_before_enable  # the documented limitation
+from torch.nn.functional import scaled_dot_product_attention as bound_before_enable  # patched by enable() too
+
+
+def unpatched_sdpa(*args, **kwargs):
+    """The C builtin itself (a reference no hook reaches)."""
+    return torch._C._nn.scaled_dot_product_attention(*args, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +73,7 @@ def test_forward_bitwise_and_backward_corrected(case, dtype):
     kw = dict(attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
     out = F.scaled_dot_product_attention(q, k, v, **kw)
     with torch.no_grad():
-        plain = bound_before_enable(q, k, v, **kw)
+        plain = unpatched_sdpa(q, k, v, **kw)
     assert torch.equal(out, plain), "the forward must be the unpatched forward, bit for bit"
     out.backward(do)
     ref = reference_backward(q.detach(), k.detach(), v.detach(), do, attn_mask=mask, causal=is_causal)
@@ -102,7 +107,7 @@ def test_fp32_inputs_take_original_path_exactly():
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    bound_before_enable(q, k, v, is_causal=True).backward(do)
+    unpatched_sdpa(q, k, v, is_causal=True).backward(do)
     assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
     assert gproj_patch.stats()["forward"] == {}
 
@@ -112,7 +117,7 @@ def test_sdpa_kernel_context_is_respected():
     with sdpa_kernel(SDPBackend.MATH):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         with torch.no_grad():
-            plain = bound_before_enable(q, k, v, is_causal=True)
+            plain = unpatched_sdpa(q, k, v, is_causal=True)
     assert torch.equal(out, plain)
     out.backward(do)  # no LSE from the math backend: FP32 tier
     assert gproj_patch.stats()["fp32"] == 1
@@ -137,10 +142,11 @@ def test_dropout_keeps_the_fused_forward_and_its_backward():
     assert s["fp32"] == s["gproj"] == 0 and s["forward"] == {"original": 1}
     assert any("dropout" in r for r in s["fallback_reasons"])
 
-def test_prebound_reference_is_not_covered_but_attention_is():
-    """Documented limitation: a reference bound before enable() keeps the original backward."""
+def test_builtin_itself_is_not_covered_but_attention_is():
+    """``torch._C._nn.scaled_dot_product_attention`` called as such keeps the original backward;
+    ``gproj_patch.attention`` (same signature) is corrected."""
     q, k, v, do = _inputs()
-    bound_before_enable(q, k, v).backward(do)
+    unpatched_sdpa(q, k, v).backward(do)
     assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 0
     gproj_patch.attention(q, k, v).backward(do)
     assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 1
@@ -189,7 +195,7 @@ def test_lse_read_from_the_fused_node():
     from gproj_patch.backends.reference import reference_forward
     from gproj_patch.backends.spec import normalize_lse
     q, k, v, _ = _inputs(Hkv=2)
-    out = bound_before_enable(q, k, v, is_causal=True, enable_gqa=True)
+    out = unpatched_sdpa(q, k, v, is_causal=True, enable_gqa=True)
     lse = compat.fused_sdpa_lse(out.grad_fn)
     assert lse is not None
     _, ref = reference_forward(q.detach(), k.detach(), v.detach(), causal=True)
@@ -204,7 +210,7 @@ def test_policy_original_is_the_unpatched_backward_bitwise(monkeypatch):
                         lambda record, **kw: seen.append((record.context.layer, kw["tier"])))
     gproj_patch.disable()
     q, k, v, do = _inputs(Hkv=2)
-    bound_before_enable(q, k, v, is_causal=True, enable_gqa=True).backward(do)
+    unpatched_sdpa(q, k, v, is_causal=True, enable_gqa=True).backward(do)
     want = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
@@ -276,7 +282,7 @@ def test_autocast_fp32_inputs_are_corrected_like_autocast_runs_them():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         with torch.no_grad():
-            plain = bound_before_enable(q, k, v, is_causal=True)
+            plain = unpatched_sdpa(q, k, v, is_causal=True)
     assert out.dtype == torch.bfloat16 and torch.equal(out, plain)
     out.backward(do)
     low = [t.detach().bfloat16() for t in (q, k, v)]
@@ -286,7 +292,7 @@ def test_autocast_fp32_inputs_are_corrected_like_autocast_runs_them():
     assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 1
     qu, ku, vu = (t.detach().clone().requires_grad_() for t in (q, k, v))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bound_before_enable(qu, ku, vu, is_causal=True).backward(do)
+        unpatched_sdpa(qu, ku, vu, is_causal=True).backward(do)
     assert _rel(qu.grad, ref[0]) > 5 * _rel(q.grad, ref[0]), "the unpatched autocast backward should leak here"
 
 
@@ -335,6 +341,6 @@ def test_empty_inputs_take_the_original_path(shape):
     k = torch.randn(shape[0], 2, 8, 16).bfloat16().requires_grad_()
     v = torch.randn(shape[0], 2, 8, 16).bfloat16().requires_grad_()
     out = F.scaled_dot_product_attention(q, k, v)
-    assert torch.equal(out, bound_before_enable(q, k, v))
+    assert torch.equal(out, unpatched_sdpa(q, k, v))
     out.sum().backward()
     assert gproj_patch.stats()["fp32"] == gproj_patch.stats()["gproj"] == 0

@@ -21,11 +21,12 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .. import telemetry
+from .. import policy, telemetry
 from ..backends.compat import fused_sdpa_lse
 from ..backends.spec import LOW_PRECISION, default_scale
 from ..config import Config
 from ..record import CallRecord, Problem, make_context
+from ..layer_context import backward_ran
 from ..router import BackwardTensors, run_backward
 from .masks import mask_as_flags, padding_as_flags
 
@@ -184,9 +185,29 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if k_heads_mismatch(query, key, enable_gqa):
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)  # the original raises its own error
+    context = make_context("sdpa", layer, cfg)
+    if policy.keeps_original(context):
+        return _original_counted(orig, context, query, key, value, attn_mask, is_causal, scale, enable_gqa)
     telemetry.record_forward("patched")
-    record = CallRecord(problem_for(query, key, attn_mask, is_causal, scale), make_context("sdpa", layer, cfg))
+    record = CallRecord(problem_for(query, key, attn_mask, is_causal, scale), context)
     return _SdpaFunction.apply(query, key, value, attn_mask, record, bool(is_causal), scale, bool(enable_gqa))
+
+
+def _original_counted(orig, context, query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """The original SDPA for a call whose backward the policy keeps original (decided at the forward); its
+    backward is counted when the fused node runs."""
+    telemetry.record_forward("patched")
+    out = orig(query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
+               enable_gqa=enable_gqa)
+    shape = telemetry.shape_class("sdpa", query, key)
+
+    def counted(_grad_inputs, _grad_outputs):
+        backward_ran()
+        telemetry.record_backward("original", None, shape)
+        policy.count_original(context)
+    if out.grad_fn is not None:
+        out.grad_fn.register_hook(counted)
+    return out
 
 
 def k_heads_mismatch(query, key, enable_gqa) -> bool:
