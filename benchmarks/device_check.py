@@ -63,7 +63,7 @@ def make_case(name, device="cuda", dtype=torch.bfloat16, seed=0):
         pass
     elif name == "sink":  # attention sink (p_sink ~ 0.04..0.9), no offset
         sink = 0.75
-    elif name == "sink64":  # sink with p_sink ~ 1 - 1e-5, plus a 64σ key offset (DESIGN §4's sink case)
+    elif name == "sink64":  # sink with p_sink ~ 1 - 1e-5, plus a 64σ key offset (the sink_offset_64 case of gproj_patch/cases.py)
         offset, sink = 64.0, 1.5
     elif name == "sharp_p1":  # rows with P == 1 (other keys' P <= ~1e-18), plus an offset: beyond fp32
         offset, sink, gauge = 32.0, 3.0, False
@@ -125,7 +125,7 @@ def _cumsum(xs):
 
 
 def witness(device="cuda", dtype=torch.bfloat16):
-    """The four-key witness (DESIGN.md §1): uniform attention over 4 identical keys of first coordinate K0,
+    """The four-key witness (docs/math.md §4): uniform attention over 4 identical keys of first coordinate K0,
     g = (1 + eps, -1, -eps, 0) with low(1 + eps) = 1. Exact dq is 0; an uncorrected kernel returns
     -α·K0·eps in dq[..., 0]: -24 in BF16 (eps = 3/1024, K0 = 65536), -0.75 in FP16 (eps = 3/8192, K0 = 16384)."""
     D = 64

@@ -8,7 +8,7 @@ The callback enables the patch when the Trainer is built (before the first forwa
 call after its module ("model.layers.1.self_attn"), and writes gproj/... statistics into every log, so they
 reach TensorBoard / W&B with `--report-to tensorboard`. With --drive-layer, that layer's key projection gets a
 large constant bias on its lowest RoPE frequency (which RoPE barely rotates): a common key offset far beyond
-the keys' spread, the regime where fused BF16 backwards leak (DESIGN.md §1). The detector flags that layer.
+the keys' spread, the regime where fused BF16 backwards leak (docs/math.md §3). The detector flags that layer.
 """
 import argparse
 import logging

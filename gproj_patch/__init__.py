@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from typing import Dict, Optional
 
@@ -36,6 +37,30 @@ _call_after_import("torch", _register_kernel_op)
 _lock = threading.RLock()
 _state: Optional[dict] = None  # {"config", "installed", "owner", "log_level"} while enabled
 _logger = logging.getLogger("gproj_patch")
+
+
+class _LastResort(logging.Handler):
+    """What ``logging.lastResort`` does, for this package's records only: write them to stderr when no handler
+    of the application would, with the ``gproj_patch: `` prefix. The messages carry no prefix themselves: an
+    application's formatter shows the logger name, and the prefix would then appear twice."""
+
+    def __init__(self):
+        super().__init__(logging.NOTSET)  # the logger's level (GPROJ_LOG_LEVEL) decides what is shown
+        self.setFormatter(logging.Formatter("gproj_patch: %(message)s"))
+
+    def emit(self, record):
+        logger = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self and record.levelno >= h.level for h in logger.handlers):
+                return
+            logger = logger.parent if logger.propagate else None
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 - logging's rule: a handler never raises
+            self.handleError(record)
+
+
+_logger.addHandler(_LastResort())
 
 
 def _installers():
@@ -80,7 +105,7 @@ def enable(mode: Optional[str] = None, targets=None, **options) -> Handle:
     with _lock:
         if _state is not None:
             if cfg != _state["config"] and (mode is not None or targets is not None or options):
-                _logger.warning("gproj_patch.enable(): already enabled with %s; the new options are ignored "
+                _logger.warning("enable(): already enabled with %s; the new options are ignored "
                                 "(call disable() first)", _state["config"])
             return Handle(_state["config"], _state["installed"], owner=False)
         installers = _installers()

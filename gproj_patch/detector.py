@@ -1,6 +1,6 @@
 """Large-key regime detector: cheap statistics of one attention call, computed from tensors the backward has.
 
-Why these statistics (DESIGN.md §1). A fused low-precision backward multiplies t = low(dS) instead of dS;
+Why these statistics (docs/math.md §3). A fused low-precision backward multiplies t = low(dS) instead of dS;
 the row sums ρ_i = Σ_j t_ij are no longer zero, so α·ρ_i·μ_k leaks into dq (μ_k: the mean key). The true dq
 only sees the keys' *deviation* from their mean, so the relative leak grows with
 

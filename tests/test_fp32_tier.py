@@ -38,7 +38,7 @@ def test_within_1e3_of_fp64_on_gauge_regime_cases(name):
 
 
 def test_sink_plain_fp32_fails_projection_repairs():
-    """DESIGN §1: plain FP32 attention leaks in the sink regime; FP32 + projection does not."""
+    """docs/math.md §9: plain FP32 attention leaks in the sink regime; FP32 + projection does not."""
     inp = get_case("sink_offset_64").build(dtype=torch.bfloat16, quick=False)
     ref = reference_backward(inp.q, inp.k, inp.v, inp.do)
     plain = rel(fp32_backward(inp.q, inp.k, inp.v, inp.do, project=False)[0], ref[0])

@@ -300,7 +300,7 @@ def test_kernel_varlen_gqa_window(interpret):
 
 
 def _four_key_witness(dtype, sink_weight):
-    """DESIGN §1's witness (q = 0, four keys at K0, exact dq = 0), optionally with a sink whose weight is
+    """The four-key witness (docs/math.md §4) (q = 0, four keys at K0, exact dq = 0), optionally with a sink whose weight is
     ``sink_weight`` times the four keys' (P_sink = w / (w + 1)); returns q, k, v, do, sink (or None)."""
     p = witness_parameters(dtype)
     eps, key0, D = p["eps"], p["key0"], 64

@@ -165,7 +165,7 @@ def test_fully_masked_rows_get_zero_gradients():
 
 
 def test_four_key_witness_fp16():
-    # FP16 version of DESIGN §1's witness: eps = 3/8192 (fp16(1 + eps) = 1), keys at 16384; exact dq = 0,
+    # FP16 version of the four-key witness (docs/math.md §4): eps = 3/8192 (fp16(1 + eps) = 1), keys at 16384; exact dq = 0,
     # an uncorrected kernel returns -α·16384·eps = -0.75 in dq[..., 0].
     D, eps = 64, 3.0 / 8192
     q = torch.zeros(1, 1, 1, D, dtype=torch.float16)

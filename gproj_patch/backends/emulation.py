@@ -16,7 +16,7 @@ GProj (``correct=True``): a first pass over all key tiles of a query block gives
 
     dq = α (t K − λ · (w K))
     dk two_product = α Σ (tᵀ Q − low(λ ∘ w)ᵀ Q)        (the paper's form; second pass over the key tiles)
-    dk fused       = α Σ low((G − λ P) ∘ τ')ᵀ Q          (one product; re-rounds, DESIGN §5)
+    dk fused       = α Σ low((G − λ P) ∘ τ')ᵀ Q          (one product; re-rounds, docs/math.md §5)
 
 t − λ r is never rounded again. Memory is bounded by the tiles plus the (S, D) accumulators: no S×S tensor.
 

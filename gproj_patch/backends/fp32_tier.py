@@ -24,7 +24,7 @@ s_h, output 0). Dropout multiplies only the real keys' probabilities, as the sin
 a sink is refused (ValueError).
 
 The projection is in the non-materialized form of GProj (the two products are never merged into one
-rounded G − λP). ``project=False`` gives plain FP32 attention, which leaks in the sink regime (DESIGN §1).
+rounded G − λP). ``project=False`` gives plain FP32 attention, which leaks in the sink regime (docs/math.md §9).
 
 ``attn_mask``: bool (True = attend) or additive float, broadcastable to (B, Hq, Sq, Sk) as in SDPA (added
 after softcap); not combined with varlen. Rows that see no key: output 0, LSE = −inf, zero gradients

@@ -62,7 +62,7 @@ last sequence excluded). The result is then (dq, dk, dv, dsink), dsink shaped an
 Softcap with a sink is refused (``spec.SINK_SOFTCAP_REASON``).
 
 **Not supported** (``kernel_unsupported_reason`` says so; callers fall back to the FP32 tier): ``attn_mask``,
-dropout, fp32/fp64 inputs, head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, DESIGN.md §3),
+dropout, fp32/fp64 inputs, head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, docs/design.md §4),
 a sink of the wrong shape, dtype or device, softcap with a sink.
 
 **CPU.** With ``GPROJ_TIER=triton`` or ``TRITON_INTERPRET=1`` in the environment, CPU fp16 tensors run the same
