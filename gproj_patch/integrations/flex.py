@@ -1,0 +1,172 @@
+"""Hook: FlexAttention — ``torch.nn.attention.flex_attention.flex_attention`` and HF's ``"flex_attention"``.
+
+``install()``:
+
+* replaces the module attribute ``torch.nn.attention.flex_attention.flex_attention`` by ``flex_attention``
+  below (``ops/flex.py``): callers that look it up at call time (``flex_attention_module.flex_attention(...)``,
+  ``torch.compile(module.flex_attention)`` made after ``enable()``) are reached. Code that did ``from
+  torch.nn.attention.flex_attention import flex_attention`` before ``enable()`` keeps the original;
+* replaces HF's ``AttentionInterface`` entry ``"flex_attention"`` (looked up at every layer call) by
+  ``hf_flex_attention_forward`` — now if ``transformers.modeling_utils`` is loaded, else right after it is
+  imported. HF's own function binds ``flex_attention`` at import and builds its ``score_mod`` as a closure
+  that a compiled region cannot read; this hook knows the softcap from its arguments, builds the same
+  ``score_mod`` and runs HF's own (compiled) flex call as the forward. Calls it does not take (an additive
+  score mask, a position bias, attention sinks ``s_aux``, dropout, no gradient) go to HF's function unchanged.
+
+``uninstall()`` restores both by identity (a later replacement by someone else is left in place, with a
+warning). ``flex_is_supported()`` says whether this torch has FlexAttention at all.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import sys
+from typing import Optional
+
+import torch
+
+from .. import config as _config
+from .. import telemetry
+from ..backends import compat
+from ..ops import flex as flex_op
+
+logger = logging.getLogger("gproj_patch")
+
+HF_NAME = "flex_attention"
+_MISSING = object()
+_saved = None          # the object torch's flex_attention module attribute held before install()
+_hf_saved = _MISSING   # HF's registry entry before install() (restored by identity)
+_pending = None        # the import hook waiting for transformers.modeling_utils
+
+
+def flex_is_supported() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, kernel_options=None, *, return_aux=None):
+    """``torch.nn.attention.flex_attention.flex_attention`` with the corrected backward (``ops/flex.py``)."""
+    return flex_op.flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
+                        return_aux=return_aux)
+
+
+flex_attention.__gproj_patched__ = True
+
+
+def _hf_unsupported_reason(query, attention_mask, s_aux, position_bias, kwargs) -> Optional[str]:
+    from torch.nn.attention.flex_attention import BlockMask
+    if attention_mask is not None and not isinstance(attention_mask, BlockMask):
+        return "hf flex: additive score mask (not a BlockMask)"
+    if position_bias is not None:
+        return "hf flex: position bias"
+    if s_aux is not None:
+        return "hf flex: attention sinks (s_aux) are applied outside flex through its LSE"
+    if kwargs.get("dropout", 0.0) > 0:
+        return "hf flex: dropout"
+    return None
+
+
+def hf_flex_attention_forward(module, query, key, value, attention_mask, scaling=None, softcap=None, s_aux=None,
+                              position_bias=None, **kwargs):
+    """HF's ``flex_attention_forward`` contract: (B, H, S, D) inputs, returns ((B, S, H, D), None)."""
+    import transformers.integrations.flex_attention as hf_flex
+    original = _hf_saved if _hf_saved is not _MISSING else hf_flex.flex_attention_forward
+    cfg_mode = (_config.active() or flex_op.DEFAULT_CONFIG).mode
+
+    def passthrough():
+        return original(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, s_aux=s_aux,
+                        position_bias=position_bias, **kwargs)
+    if not flex_op.needs_correction(query, key, value, cfg_mode):
+        return passthrough()
+    reason = _hf_unsupported_reason(query, attention_mask, s_aux, position_bias, kwargs)
+    if reason is not None:
+        if not torch.compiler.is_compiling():
+            telemetry.record_forward("original", reason, telemetry.shape_class(flex_op.SOURCE, query, key))
+        return passthrough()
+    enable_gqa = True
+    heads = query.shape[1]
+    if heads & (heads - 1):  # as HF: repeat the KV heads when the head count is not a power of two
+        key = hf_flex.repeat_kv(key, heads // key.shape[1])
+        value = hf_flex.repeat_kv(value, heads // value.shape[1])
+        enable_gqa = False
+    layer = None
+    if getattr(module, "layer_idx", None) is not None:
+        layer = f"{type(module).__name__}.{module.layer_idx}"
+    score_mod = None if softcap is None else flex_op.softcap_score_mod(softcap)
+    forward_fn = functools.partial(hf_flex.compile_friendly_flex_attention, training=module.training)
+    out = flex_op.flex(query, key, value, score_mod=score_mod, block_mask=attention_mask, scale=scaling,
+                       enable_gqa=enable_gqa, kernel_options=kwargs.get("kernel_options"),
+                       declared_softcap=None if softcap is None else float(softcap), forward_fn=forward_fn,
+                       layer=layer)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def is_installed() -> bool:
+    return _saved is not None
+
+
+def install() -> str:
+    global _saved, _pending
+    if _saved is not None:
+        return "installed"
+    if not flex_is_supported():
+        return "skipped: this torch has no torch.nn.attention.flex_attention"
+    import torch.nn.attention.flex_attention as fa_module
+
+    from ..ops import flex_compiled  # noqa: F401  (loaded before any compiled region traces the hook)
+    current = fa_module.flex_attention
+    _saved = current
+    flex_op.set_original(None if getattr(current, "__gproj_patched__", False) else current)
+    fa_module.flex_attention = flex_attention
+    if "transformers.modeling_utils" in sys.modules:
+        _register_hf()
+    elif importlib.util.find_spec("transformers") is not None:
+        from ..import_hooks import call_after_import
+        _pending = call_after_import("transformers.modeling_utils", _register_on_import)
+    return "installed"
+
+
+def _register_on_import() -> None:
+    global _pending
+    _pending = None
+    _register_hf()
+
+
+def _register_hf() -> None:
+    global _hf_saved
+    try:
+        from transformers.modeling_utils import AttentionInterface
+        mapping = compat.hf_registry_mapping(AttentionInterface)
+    except (ImportError, compat.CompatError) as exc:
+        logger.warning("could not hook HF's 'flex_attention': %s", exc)
+        return
+    _hf_saved = mapping.get(HF_NAME, _MISSING)
+    if _hf_saved is _MISSING:
+        return  # this Transformers has no flex implementation
+    mapping[HF_NAME] = hf_flex_attention_forward
+
+
+def uninstall() -> None:
+    global _saved, _pending, _hf_saved
+    if _pending is not None:
+        _pending.cancel()
+        _pending = None
+    if _hf_saved is not _MISSING:
+        from transformers.modeling_utils import AttentionInterface
+        mapping = compat.hf_registry_mapping(AttentionInterface)
+        if mapping.get(HF_NAME) is hf_flex_attention_forward:
+            mapping[HF_NAME] = _hf_saved
+        else:
+            logger.warning("HF's 'flex_attention' entry was replaced after enable(); left as it is")
+        _hf_saved = _MISSING
+    if _saved is None:
+        return
+    import torch.nn.attention.flex_attention as fa_module
+    if fa_module.flex_attention is flex_attention:
+        fa_module.flex_attention = _saved
+    else:
+        logger.warning("torch.nn.attention.flex_attention.flex_attention was replaced after enable() by %r; "
+                       "left as it is", fa_module.flex_attention)
+    flex_op.set_original(None)
+    _saved = None
