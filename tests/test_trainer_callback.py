@@ -132,3 +132,10 @@ def test_example_script_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     # on CPU the policy's "gproj" choice runs the FP32 tier (no GPU kernel): reports name the tier that ran
     assert "model.layers.1.self_attn" in out and "tier=fp32" in out
+
+
+@pytest.mark.parametrize("bad", [dict(mode="fast"), dict(sample_every=0), dict(gproj_enter="high"), dict(tresh=1)])
+def test_callback_validates_options_when_constructed(bad):
+    with pytest.raises(ValueError):
+        GProjCallback(**bad)
+    assert not gproj_patch.is_enabled()

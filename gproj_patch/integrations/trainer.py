@@ -42,7 +42,10 @@ class GProjCallback(TrainerCallback):
                  warn: bool = True, prefix: str = "gproj/", disable_on_train_end: bool = False, **options):
         """``mode``: "auto" (default), "audit", "gproj", "fp32", "off", or None to take ``GPROJ_MODE``.
         ``options``: passed to ``gproj_patch.enable()`` (policy options such as ``sample_every=10``,
-        ``gproj_enter=0.01`` included)."""
+        ``gproj_enter=0.01`` included). Every option is validated here (``ValueError`` naming it), not when the
+        Trainer first enables the patch."""
+        from .. import config
+        config.resolve(mode=mode, **options)  # raises now on a bad or unknown option
         self.mode = mode
         self.options = options
         self.track = track_layers
