@@ -64,18 +64,17 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from . import __version__
-from .backends.emulation import emulated_backward, emulated_forward
-from .backends.fp32_tier import fp32_backward
 from .backends.reference import reference_backward
+from .audit_backends import Backend, NotApplicable, _fmt, _Saved, available_backends  # noqa: F401  (Backend: API)
+from .audit_backends import _emulated  # noqa: F401  (tests build backends from it)
+from .audit_report import render_checks, render_table, write_plot
 from .cases import CaseInputs, select_cases
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,174 +83,8 @@ LEAK_MIN_U = 51.2  # the uncorrected dq error at 128σ must reach 51.2·u (BF16:
 GPROJ_MAX_U = 1.28  # emulated GProj's dq error stays within 1.28·u (BF16: 0.5%)
 FP32_TIER_MAX = 1e-3  # the FP32 tier computes in FP32: one bound for every input format
 EXIT_FAILED, EXIT_NOTHING_RAN = 1, 3
-Grads = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class NotApplicable(Exception):
-    """A backend cannot express this case (reported as n/a, not as an error)."""
-
-
-@dataclass
-class Backend:
-    name: str
-    run: Callable[[CaseInputs, torch.Tensor, "_Saved"], Grads]
-    reason: Callable[[CaseInputs], Optional[str]] = lambda inp: None
-
-
-class _Saved:
-    """Per (case, key variant) lazily computed emulated forward (saved O and LSE)."""
-
-    def __init__(self, fmt: str):
-        self.fmt = fmt
-        self.cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def get(self, inp: CaseInputs, k: torch.Tensor):
-        key = id(k)
-        if key not in self.cache:
-            self.cache[key] = emulated_forward(inp.q, k, inp.v, fmt=self.fmt, **inp.mask)
-        return self.cache[key]
-
-
-def _fmt(inp: CaseInputs) -> str:
-    return "fp16" if inp.q.dtype == torch.float16 else "bf16"
-
-
-def _emulated(correct: bool, dk_form: str = "two_product"):
-    def run(inp: CaseInputs, k, saved: _Saved) -> Grads:
-        o, lse = saved.get(inp, k)
-        return emulated_backward(inp.q, k, inp.v, o, inp.do, lse, fmt=_fmt(inp), correct=correct,
-                                 dk_form=dk_form, **inp.mask)
-    return run
-
-
-def _fp32(project: bool):
-    def run(inp: CaseInputs, k, saved) -> Grads:
-        return fp32_backward(inp.q, k, inp.v, inp.do, project=project, **inp.mask)
-    return run
-
-
-# ---------------------------------------------------------------------------------------------- CUDA backends
-def _sdpa_reason(inp: CaseInputs) -> Optional[str]:
-    m = inp.mask
-    if "cu_seqlens_q" in m:
-        return "SDPA has no varlen (cu_seqlens) interface"
-    if tuple(m.get("window", (-1, -1))) != (-1, -1):
-        return "SDPA has no sliding window"
-    if m.get("softcap", 0.0):
-        return "SDPA has no softcap"
-    if m.get("causal") and m.get("causal_align") == "bottom_right" and inp.q.shape[2] != inp.k.shape[2]:
-        return "SDPA's is_causal is top-left aligned only"
-    return None
-
-
-def _sdpa(backend_name: str):
-    def run(inp: CaseInputs, k, saved) -> Grads:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        import torch.nn.functional as F
-        which = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
-        q, kk, v = (x.detach().clone().requires_grad_(True) for x in (inp.q, k, inp.v))
-        kw = {"is_causal": bool(inp.mask.get("causal", False)), "scale": inp.mask.get("scale")}
-        if q.shape[1] != kk.shape[1]:
-            kw["enable_gqa"] = True
-        try:
-            with sdpa_kernel([which]):
-                out = F.scaled_dot_product_attention(q, kk, v, **kw)
-        except RuntimeError as e:
-            raise NotApplicable(str(e).splitlines()[0][:160]) from None
-        out.backward(inp.do)
-        return q.grad, kk.grad, v.grad
-    return run
-
-
-def _flash_reason(inp: CaseInputs) -> Optional[str]:
-    m = inp.mask
-    if m.get("causal") and m.get("causal_align", "top_left") == "top_left" and inp.q.shape[2] != inp.k.shape[2]:
-        return "flash-attn's causal is bottom-right aligned only"
-    return None
-
-
-def _flash(variant: str):
-    def run(inp: CaseInputs, k, saved) -> Grads:
-        if variant == "fa2":
-            import flash_attn as mod
-        elif variant == "fa3":
-            import flash_attn_interface as mod
-        else:
-            import flash_attn.cute as mod
-        m = inp.mask
-        q, kk, v = (x.detach().clone().requires_grad_(True) for x in (inp.q, k, inp.v))
-        kw = {"causal": bool(m.get("causal", False)), "softmax_scale": m.get("scale")}
-        if tuple(m.get("window", (-1, -1))) != (-1, -1):
-            kw["window_size"] = tuple(m["window"])
-        if m.get("softcap"):
-            kw["softcap"] = float(m["softcap"])
-        bshd = lambda x: x.transpose(1, 2)
-        if "cu_seqlens_q" in m:
-            cq, ck = m["cu_seqlens_q"].to(torch.int32), m["cu_seqlens_k"].to(torch.int32)
-            kw.update(max_seqlen_q=int((cq[1:] - cq[:-1]).max()), max_seqlen_k=int((ck[1:] - ck[:-1]).max()))
-            res = mod.flash_attn_varlen_func(bshd(q)[0], bshd(kk)[0], bshd(v)[0], cq, ck, **kw)
-            out = (res[0] if isinstance(res, tuple) else res).unsqueeze(0)
-        else:
-            res = mod.flash_attn_func(bshd(q), bshd(kk), bshd(v), **kw)
-            out = res[0] if isinstance(res, tuple) else res
-        out.backward(bshd(inp.do))
-        return q.grad, kk.grad, v.grad
-    return run
-
-
-def _triton_reason(inp: CaseInputs) -> Optional[str]:
-    from .backends import triton_bwd
-    return triton_bwd.kernel_unsupported_reason(inp.q, inp.k, inp.v, **inp.mask)
-
-
-def _triton(correct: bool):
-    def run(inp: CaseInputs, k, saved: _Saved) -> Grads:
-        from .backends import triton_bwd
-        o, lse = saved.get(inp, k)
-        return triton_bwd.gproj_backward(inp.do, inp.q, k, inp.v, o.to(inp.q.dtype), lse, correct=correct,
-                                         **inp.mask)
-    return run
-
-
-def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[Backend], Dict[str, str]]:
-    """The backends that run on ``device`` and, for the rest, why not."""
-    backends = [Backend("emulated-uncorrected", _emulated(False)), Backend("emulated-gproj", _emulated(True)),
-                Backend("emulated-gproj-fused", _emulated(True, "fused")), Backend("fp32-tier", _fp32(True)),
-                Backend("fp32-plain", _fp32(False))]
-    skipped: Dict[str, str] = {}
-    cuda = device.type == "cuda"
-    for name in ("flash", "efficient", "cudnn"):
-        if cuda or name == "flash":  # PyTorch also has a fused flash backward on the CPU
-            backends.append(Backend(f"sdpa-{name}", _sdpa(name), _sdpa_reason))
-        else:
-            skipped[f"sdpa-{name}"] = "needs CUDA"
-    for variant, module in (("fa2", "flash_attn"), ("fa3", "flash_attn_interface"), ("fa4", "flash_attn.cute")):
-        if not cuda:
-            skipped[variant] = "needs CUDA"
-            continue
-        try:
-            __import__(module)
-        except Exception as e:  # ImportError, or a broken CUDA extension
-            skipped[variant] = f"{module} not importable ({type(e).__name__})"
-            continue
-        backends.append(Backend(variant, _flash(variant), _flash_reason))
-    interp = os.environ.get("GPROJ_TIER") == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
-    if not cuda and not interp:
-        skipped["triton"] = "needs CUDA (or GPROJ_TIER=triton TRITON_INTERPRET=1 with --dtype fp16)"
-    elif not cuda and dtype != torch.float16:
-        skipped["triton"] = "Triton's CPU interpreter is exact for fp16 only"
-    else:
-        try:
-            from .backends import triton_bwd  # noqa: F401
-            backends.append(Backend("triton-uncorrected", _triton(False), _triton_reason))
-            backends.append(Backend("triton-gproj", _triton(True), _triton_reason))
-        except Exception as e:
-            skipped["triton"] = f"gproj_patch.backends.triton_bwd not importable ({type(e).__name__}: {e})"
-    return backends, skipped
-
-
-# ---------------------------------------------------------------------------------------------------- metrics
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> Tuple[float, bool]:
     x = x.detach().to("cpu", torch.float64)
     ref = ref.detach().to("cpu", torch.float64)
@@ -370,111 +203,6 @@ def strict_status(ch: dict) -> Tuple[int, str]:
 
 
 # ----------------------------------------------------------------------------------------------------- output
-def _pct(x: Optional[float], absolute: bool = False) -> str:
-    if x is None:
-        return "-"
-    if absolute:
-        return f"{x:.1e} abs"
-    if not math.isfinite(x):
-        return "inf"
-    p = 100.0 * x
-    if p == 0:
-        return "0"
-    return f"{p:.3g}%" if p >= 0.001 else f"{p:.1e}%"
-
-
-def table_rows(cases: List[dict], backends: List[str]) -> List[List[str]]:
-    rows = []
-    for c in cases:
-        for i, b in enumerate(backends):
-            r = c["results"][b]
-            label = c["name"] + ("" if c["gauge_regime"] else " (not gauge)") if i == 0 else ""
-            if r["status"] == "ok":
-                cells = [_pct(r["dq"], r["dq_abs"]), _pct(r["dk"], r["dk_abs"]), _pct(r["dv"], r["dv_abs"]),
-                         _pct(r["gauge"])]
-            else:
-                cells = [r["status"], "", "", r.get("reason", "")[:60]]
-            rows.append([label, b] + cells)
-    return rows
-
-
-HEADER = ["case", "backend", "dq err", "dk err", "dv err", "gauge err"]
-
-
-def render_table(cases: List[dict], backends: List[str], stream=None) -> None:
-    stream = stream or sys.stdout
-    rows = table_rows(cases, backends)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
-        line = lambda r: "  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths)))
-        print(line(HEADER), file=stream)
-        print("  ".join("-" * w for w in widths), file=stream)
-        for r in rows:
-            if r[0]:
-                print("", file=stream) if r is not rows[0] else None
-            print(line(r), file=stream)
-        return
-    t = Table(title="attention gradient error vs fp64")
-    for i, h in enumerate(HEADER):
-        t.add_column(h, justify="left" if i < 2 else "right")
-    for r in rows:
-        if r[0] and r is not rows[0]:
-            t.add_section()
-        t.add_row(*r)
-    Console(file=stream, width=None if stream.isatty() else 120).print(t)
-
-
-def render_checks(ch: dict, dtype: str = "bf16", stream=None) -> None:
-    stream = stream or sys.stdout
-    fmt = lambda x: "-" if x is None else _pct(x)
-    ok = lambda x: "(not run)" if x is None else ("PASS" if x else "FAIL")
-    print(f"uncorrected emulation dq @128σ: {fmt(ch['uncorrected_dq_at_128sigma'])} "
-          f"(want ≥ {_pct(ch['uncorrected_dq_min'])}) {ok(ch['pass_uncorrected_leaks'])}", file=stream)
-    skipped = ch["gproj_out_of_range_cases"]
-    print(f"emulated GProj worst gauge-regime dq: {fmt(ch['gproj_worst_gauge_regime_dq'])} "
-          f"[{ch['gproj_worst_gauge_regime_case']}] (want ≤ {_pct(ch['gproj_dq_max'])}) {ok(ch['pass_gproj'])}"
-          + (f"; beyond {dtype}'s range, not held to it: {', '.join(skipped)}" if skipped else ""), file=stream)
-    print(f"FP32 tier worst gauge-regime dq: {fmt(ch['fp32_tier_worst_gauge_regime_dq'])} "
-          f"[{ch['fp32_tier_worst_gauge_regime_case']}] (want ≤ {_pct(ch['fp32_tier_dq_max'])}) "
-          f"{ok(ch['pass_fp32_tier'])}", file=stream)
-
-
-def write_plot(path: str, cases: List[dict], backends: List[str], title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sweep = sorted((c for c in cases if c["sweep"]), key=lambda c: c["key_offset"])
-    if not sweep:
-        raise ValueError("--plot needs the key-offset sweep cases (diffuse, key_offset_*) in --cases")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax, metric, label in ((axes[0], "dq", "dq relative error vs fp64"),
-                              (axes[1], "gauge", "gauge error (dq change under key translation)")):
-        for n, b in enumerate(backends):
-            pts = [(c["key_offset"], c["results"][b][metric]) for c in sweep
-                   if c["results"][b].get("status") == "ok"]
-            pts = [(x, max(y, 1e-9)) for x, y in pts if y is not None and math.isfinite(y)]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^vDx*P"[n % 8], label=b,
-                        ls="--" if "fused" in b or "plain" in b else "-", alpha=0.85)
-        ax.set_xscale("symlog", linthresh=1.0)
-        ax.set_yscale("log")
-        ax.set_xlabel("common key offset (σ of the key spread)")
-        ax.set_ylabel(label)
-        ax.axhline(0.005, color="grey", ls=":", lw=1)
-        ax.annotate("0.5%", (0.0, 0.005), xycoords=("axes fraction", "data"), fontsize=7, color="grey")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# -------------------------------------------------------------------------------------------------------- CLI
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="python -m gproj_patch audit", description=__doc__.splitlines()[0])
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")

@@ -1,0 +1,186 @@
+"""The backends the audit runs (``python -m gproj_patch audit``): each computes (dq, dk, dv) for one suite case.
+
+On any device: the rounding-exact emulation of a fused low-precision backward (uncorrected, GProj), the FP32 tier
+(with and without the projection), PyTorch's SDPA backends; on CUDA also flash-attn when importable and the
+GProj Triton kernel. ``available_backends`` lists those that can run here and why the others cannot.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .backends.emulation import emulated_backward, emulated_forward
+from .backends.fp32_tier import fp32_backward
+from .cases import CaseInputs
+
+Grads = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class NotApplicable(Exception):
+    """A backend cannot express this case (reported as n/a, not as an error)."""
+
+
+@dataclass
+class Backend:
+    name: str
+    run: Callable[[CaseInputs, torch.Tensor, "_Saved"], Grads]
+    reason: Callable[[CaseInputs], Optional[str]] = lambda inp: None
+
+
+class _Saved:
+    """Per (case, key variant) lazily computed emulated forward (saved O and LSE)."""
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        self.cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, inp: CaseInputs, k: torch.Tensor):
+        key = id(k)
+        if key not in self.cache:
+            self.cache[key] = emulated_forward(inp.q, k, inp.v, fmt=self.fmt, **inp.mask)
+        return self.cache[key]
+
+
+def _fmt(inp: CaseInputs) -> str:
+    return "fp16" if inp.q.dtype == torch.float16 else "bf16"
+
+
+def _emulated(correct: bool, dk_form: str = "two_product"):
+    def run(inp: CaseInputs, k, saved: _Saved) -> Grads:
+        o, lse = saved.get(inp, k)
+        return emulated_backward(inp.q, k, inp.v, o, inp.do, lse, fmt=_fmt(inp), correct=correct,
+                                 dk_form=dk_form, **inp.mask)
+    return run
+
+
+def _fp32(project: bool):
+    def run(inp: CaseInputs, k, saved) -> Grads:
+        return fp32_backward(inp.q, k, inp.v, inp.do, project=project, **inp.mask)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- CUDA backends
+def _sdpa_reason(inp: CaseInputs) -> Optional[str]:
+    m = inp.mask
+    if "cu_seqlens_q" in m:
+        return "SDPA has no varlen (cu_seqlens) interface"
+    if tuple(m.get("window", (-1, -1))) != (-1, -1):
+        return "SDPA has no sliding window"
+    if m.get("softcap", 0.0):
+        return "SDPA has no softcap"
+    if m.get("causal") and m.get("causal_align") == "bottom_right" and inp.q.shape[2] != inp.k.shape[2]:
+        return "SDPA's is_causal is top-left aligned only"
+    return None
+
+
+def _sdpa(backend_name: str):
+    def run(inp: CaseInputs, k, saved) -> Grads:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        import torch.nn.functional as F
+        which = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+        q, kk, v = (x.detach().clone().requires_grad_(True) for x in (inp.q, k, inp.v))
+        kw = {"is_causal": bool(inp.mask.get("causal", False)), "scale": inp.mask.get("scale")}
+        if q.shape[1] != kk.shape[1]:
+            kw["enable_gqa"] = True
+        try:
+            with sdpa_kernel([which]):
+                out = F.scaled_dot_product_attention(q, kk, v, **kw)
+        except RuntimeError as e:
+            raise NotApplicable(str(e).splitlines()[0][:160]) from None
+        out.backward(inp.do)
+        return q.grad, kk.grad, v.grad
+    return run
+
+
+def _flash_reason(inp: CaseInputs) -> Optional[str]:
+    m = inp.mask
+    if m.get("causal") and m.get("causal_align", "top_left") == "top_left" and inp.q.shape[2] != inp.k.shape[2]:
+        return "flash-attn's causal is bottom-right aligned only"
+    return None
+
+
+def _flash(variant: str):
+    def run(inp: CaseInputs, k, saved) -> Grads:
+        if variant == "fa2":
+            import flash_attn as mod
+        elif variant == "fa3":
+            import flash_attn_interface as mod
+        else:
+            import flash_attn.cute as mod
+        m = inp.mask
+        q, kk, v = (x.detach().clone().requires_grad_(True) for x in (inp.q, k, inp.v))
+        kw = {"causal": bool(m.get("causal", False)), "softmax_scale": m.get("scale")}
+        if tuple(m.get("window", (-1, -1))) != (-1, -1):
+            kw["window_size"] = tuple(m["window"])
+        if m.get("softcap"):
+            kw["softcap"] = float(m["softcap"])
+        bshd = lambda x: x.transpose(1, 2)
+        if "cu_seqlens_q" in m:
+            cq, ck = m["cu_seqlens_q"].to(torch.int32), m["cu_seqlens_k"].to(torch.int32)
+            kw.update(max_seqlen_q=int((cq[1:] - cq[:-1]).max()), max_seqlen_k=int((ck[1:] - ck[:-1]).max()))
+            res = mod.flash_attn_varlen_func(bshd(q)[0], bshd(kk)[0], bshd(v)[0], cq, ck, **kw)
+            out = (res[0] if isinstance(res, tuple) else res).unsqueeze(0)
+        else:
+            res = mod.flash_attn_func(bshd(q), bshd(kk), bshd(v), **kw)
+            out = res[0] if isinstance(res, tuple) else res
+        out.backward(bshd(inp.do))
+        return q.grad, kk.grad, v.grad
+    return run
+
+
+def _triton_reason(inp: CaseInputs) -> Optional[str]:
+    from .backends import triton_bwd
+    return triton_bwd.kernel_unsupported_reason(inp.q, inp.k, inp.v, **inp.mask)
+
+
+def _triton(correct: bool):
+    def run(inp: CaseInputs, k, saved: _Saved) -> Grads:
+        from .backends import triton_bwd
+        o, lse = saved.get(inp, k)
+        return triton_bwd.gproj_backward(inp.do, inp.q, k, inp.v, o.to(inp.q.dtype), lse, correct=correct,
+                                         **inp.mask)
+    return run
+
+
+def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[Backend], Dict[str, str]]:
+    """The backends that run on ``device`` and, for the rest, why not."""
+    backends = [Backend("emulated-uncorrected", _emulated(False)), Backend("emulated-gproj", _emulated(True)),
+                Backend("emulated-gproj-fused", _emulated(True, "fused")), Backend("fp32-tier", _fp32(True)),
+                Backend("fp32-plain", _fp32(False))]
+    skipped: Dict[str, str] = {}
+    cuda = device.type == "cuda"
+    for name in ("flash", "efficient", "cudnn"):
+        if cuda or name == "flash":  # PyTorch also has a fused flash backward on the CPU
+            backends.append(Backend(f"sdpa-{name}", _sdpa(name), _sdpa_reason))
+        else:
+            skipped[f"sdpa-{name}"] = "needs CUDA"
+    for variant, module in (("fa2", "flash_attn"), ("fa3", "flash_attn_interface"), ("fa4", "flash_attn.cute")):
+        if not cuda:
+            skipped[variant] = "needs CUDA"
+            continue
+        try:
+            __import__(module)
+        except Exception as e:  # ImportError, or a broken CUDA extension
+            skipped[variant] = f"{module} not importable ({type(e).__name__})"
+            continue
+        backends.append(Backend(variant, _flash(variant), _flash_reason))
+    interp = os.environ.get("GPROJ_TIER") == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    if not cuda and not interp:
+        skipped["triton"] = "needs CUDA (or GPROJ_TIER=triton TRITON_INTERPRET=1 with --dtype fp16)"
+    elif not cuda and dtype != torch.float16:
+        skipped["triton"] = "Triton's CPU interpreter is exact for fp16 only"
+    else:
+        try:
+            from .backends import triton_bwd  # noqa: F401
+            backends.append(Backend("triton-uncorrected", _triton(False), _triton_reason))
+            backends.append(Backend("triton-gproj", _triton(True), _triton_reason))
+        except Exception as e:
+            skipped["triton"] = f"gproj_patch.backends.triton_bwd not importable ({type(e).__name__}: {e})"
+    return backends, skipped
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
