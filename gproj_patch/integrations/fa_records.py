@@ -1,8 +1,11 @@
 """flash-attn forwards leave a record; the backward finds it through the LSE tensor both of them see.
 
 flash-attn's autograd Functions save the LSE their forward op returned and hand that same tensor to the backward
-op. ``remember(lse, context)`` (called by the wrapped forward) files the call's context under the LSE's storage;
-``context_for(lse, source)`` (called by the backward) reads it back. An entry lives exactly as long as its LSE:
+op. ``remember(lse, source, sink=...)`` (called by the wrapped forward) files the call's context — and the
+learnable sink the forward was given, if any — under the LSE's storage; ``record_for(lse, source)`` (called by
+the backward) reads it back as a ``ForwardRecord``. The sink matters: the LSE of a forward with a sink includes
+it, and a backward that does not pass the sink itself (FA4 before its sink backward, flash-attention #2706)
+must still correct towards the sink's row-sum target. An entry lives exactly as long as its LSE:
 a ``weakref.finalize`` drops it when the tensor is freed (after the backward, or with the graph), so nothing of a
 call outlives it. A backward whose forward was not seen (it ran before ``enable()``, or the forward op is not
 one the hook wraps) gets a context made at the backward, with that reason logged once.
@@ -14,8 +17,10 @@ forwarding every attribute read and write to it, so code that keeps state on the
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -23,8 +28,17 @@ import torch
 from .. import telemetry
 from ..record import Context, make_context
 
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardRecord:
+    """What a flash-attn forward leaves for its backward: the context, and the learnable sink it was given."""
+    context: Context
+    sink: Optional[torch.Tensor] = None  # detached (Hq,) sink logits the forward's LSE includes, or None
+
+
 _lock = threading.Lock()
-_records: Dict[Tuple[str, int], Tuple["weakref.ref", Context]] = {}
+_records: Dict[Tuple[str, int], Tuple["weakref.ref", ForwardRecord]] = {}
 NO_RECORD_REASON = ("flash-attn: no forward record for this backward (forward ran before enable() or through an "
                     "unwrapped op); options and layer taken at the backward")
 
@@ -38,19 +52,21 @@ def _drop(key) -> None:
         _records.pop(key, None)
 
 
-def remember(lse: Optional[torch.Tensor], source: str) -> None:
-    """File the context of a forward that returned ``lse`` (nothing to file without an LSE: no backward)."""
+def remember(lse: Optional[torch.Tensor], source: str, sink: Optional[torch.Tensor] = None) -> None:
+    """File the context (and ``sink``) of a forward that returned ``lse`` (nothing to file without an LSE: no
+    backward). The sink is held detached: its values, not its graph."""
     if not isinstance(lse, torch.Tensor) or lse.numel() == 0:
         return
-    context = make_context(source)
+    record = ForwardRecord(context=make_context(source),
+                           sink=sink.detach() if isinstance(sink, torch.Tensor) else None)
     key = _key(lse)
     with _lock:
-        _records[key] = (weakref.ref(lse), context)
+        _records[key] = (weakref.ref(lse), record)
     weakref.finalize(lse, _drop, key)
 
 
-def context_for(lse: Optional[torch.Tensor], source: str) -> Context:
-    """The context the forward of this backward recorded (else one made now, reason logged)."""
+def record_for(lse: Optional[torch.Tensor], source: str) -> ForwardRecord:
+    """The record the forward of this backward filed (else a context made now, no sink, reason logged)."""
     if isinstance(lse, torch.Tensor):
         with _lock:
             entry = _records.get(_key(lse))
@@ -58,7 +74,7 @@ def context_for(lse: Optional[torch.Tensor], source: str) -> Context:
             return entry[1]
     q_class = telemetry.shape_class(source)
     telemetry.note_reason(NO_RECORD_REASON, q_class)
-    return make_context(source, layer=source)
+    return ForwardRecord(context=make_context(source, layer=source))
 
 
 def live_records() -> int:
@@ -74,12 +90,35 @@ def lse_of(result) -> Optional[torch.Tensor]:
     return None
 
 
-def recording(forward: Callable, source: str) -> Callable:
-    """``forward`` that files a record for each call (the result is returned untouched)."""
+def argument_reader(fn: Callable, name: str) -> Optional[Callable[[tuple, dict], object]]:
+    """A reader of argument ``name`` from a call's (args, kwargs) of ``fn`` (None when ``fn`` has no such
+    parameter or no readable signature). Reads by keyword, else by position; never binds the whole call."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params]
+    if name not in names:
+        return None
+    param = params[names.index(name)]
+    index = names.index(name) if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) else None
+
+    def read(args: tuple, kwargs: dict):
+        if name in kwargs:
+            return kwargs[name]
+        if index is not None and index < len(args):
+            return args[index]
+        return None
+    return read
+
+
+def recording(forward: Callable, source: str, sink_of: Optional[Callable[[tuple, dict], object]] = None) -> Callable:
+    """``forward`` that files a record for each call (the result is returned untouched); ``sink_of(args,
+    kwargs)`` reads the call's learnable sink (FA4's ``learnable_sink``) into the record."""
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
         result = forward(*args, **kwargs)
-        remember(lse_of(result), source)
+        remember(lse_of(result), source, sink=None if sink_of is None else sink_of(args, kwargs))
         return result
     wrapped.__gproj_patched__ = True
     return wrapped

@@ -25,6 +25,17 @@ from the backward's arguments, which flash-attn's autograd Functions saved at th
 FA4's functions are replaced by a proxy that forwards attribute reads and writes to the function it replaces:
 FA4 keeps its JIT cache on the function object (``_flash_attn_bwd.compile_cache``, read through the module
 global), so the original path keeps working while the patch is on.
+
+FA4's learnable sink. ``_flash_attn_fwd(..., learnable_sink=(Hq,) fp16/bf16/fp32)`` puts the sink logit in
+every row's softmax denominator; the LSE it returns includes it. Since flash-attention #2706 (2026-08),
+``_flash_attn_bwd(..., learnable_sink=...)`` computes the sink's gradient itself and returns
+``(dq, dk, dv, dsink)``, dsink shaped and typed like the sink (``FlashAttnFunc.backward`` unpacks four values
+then); earlier releases never passed the sink to the backward (no sink gradient; ``(dq, dk, dv)``). The
+corrected path takes the sink from the backward's ``learnable_sink`` argument, else from the forward's record
+(``fa_records``: the forward wrapper files the sink it was given) — a sink-including LSE is never corrected
+towards the no-sink target — and returns in the backward's own format: the fourth value, dsink, only when the
+backward was given ``learnable_sink``. A sink that the GProj tiers refuse (softcap together with a sink, a
+wrong shape or device) sends the call to the original backward with the reason counted.
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ import torch
 
 from .. import telemetry
 from ..backends import compat
+from ..backends.spec import sink_unsupported_reason
 from ..record import CallRecord, Problem
 from ..router import BackwardTensors, run_backward
 from . import fa_records
@@ -53,6 +65,8 @@ FORWARD_OPS = ("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varle
 FA4_FWD = "_flash_attn_fwd"
 FA_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn_3", "flash_attn.cute")
 FA4_MODULE, FA4_FN = "flash_attn.cute.interface", "_flash_attn_bwd"
+FA4_SINK = "learnable_sink"  # FA4's argument for the per-head sink logits (forward and backward)
+SINK_DTYPE = torch.float32   # the sink as the GProj tiers take it (exact for FA4's fp16/bf16/fp32 sinks)
 DEVICE_TYPE = "cuda"  # the kernels install() replaces (flash-attn registers CUDA kernels only)
 
 # names the replacement understands (and the values that mean "not used")
@@ -61,7 +75,7 @@ _KNOWN = {"dout", "do", "q", "k", "v", "out", "o", "softmax_lse", "lse", "dq", "
           "window_size_left", "window_size_right", "softcap", "deterministic", "sm_margin", "dropout_p",
           "rng_state", "zero_tensors", "m_block_size", "n_block_size", "num_threads", "pack_gqa",
           "num_stages_Q", "num_stages_dO", "SdP_swapAB", "dKV_swapAB", "dQ_swapAB", "AtomLayoutMSdP",
-          "AtomLayoutNdKV", "AtomLayoutMdQ", "V_in_regs"}
+          "AtomLayoutNdKV", "AtomLayoutMdQ", "V_in_regs", FA4_SINK}
 
 _installed: List[Tuple[str, Callable[[], None]]] = []  # (what, restore)
 
@@ -94,6 +108,16 @@ def _fallback_reason(b: dict) -> Optional[str]:
     return None
 
 
+def _sink_reason(sink: Optional[torch.Tensor], q4: torch.Tensor, softcap: float) -> Optional[str]:
+    """Why the GProj tiers cannot take this learnable sink (None: no sink, or one they take)."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor) or not sink.is_floating_point():
+        return f"learnable_sink of type {type(sink).__name__}, not a floating tensor: original backward"
+    reason = sink_unsupported_reason(sink.detach().to(SINK_DTYPE), q4, softcap=softcap)
+    return None if reason is None else f"learnable_sink: {reason}: original backward"
+
+
 def _softmax_d(b: dict, q4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, varlen: bool, fake=None):
     """flash-attn's auxiliary return value (rowsum(dO∘O)); callers discard it. Shaped by the op's own fake
     kernel when it has one (FA3's shape depends on its tile sizes), else as FA2 shapes it."""
@@ -120,12 +144,16 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
     ``fake()`` (optional) builds the op's auxiliary return value with the op's own shape."""
     q, k, v = _arg(b, "q"), _arg(b, "k"), _arg(b, "v")
     lse = _arg(b, "softmax_lse", "lse")
-    context = fa_records.context_for(lse, source)
-    reason = _fallback_reason(b)
+    forward = fa_records.record_for(lse, source)
+    context = forward.context
+    varlen = _arg(b, "cu_seqlens_q") is not None
+    given_sink = _arg(b, FA4_SINK)  # FA4 ≥ #2706 passes the sink and then returns its gradient too
+    sink = given_sink if given_sink is not None else forward.sink
+    softcap = float(_arg(b, "softcap", default=0.0))
+    reason = _fallback_reason(b) or _sink_reason(sink, _to_bhsd(q, varlen), softcap)
     if reason is not None or context.mode == "off":
         telemetry.record_backward("original", reason, telemetry.shape_class(source, q, k))
         return original()
-    varlen = _arg(b, "cu_seqlens_q") is not None
     do, o = _arg(b, "dout", "do"), _arg(b, "out", "o")
     if do.shape[-1] < v.shape[-1]:  # head dim padded to a multiple of 8 by the caller, dout not
         do = torch.nn.functional.pad(do, [0, v.shape[-1] - do.shape[-1]])
@@ -135,7 +163,7 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
     def run_original():
         result["ret"] = original()
         dq_b, dk_b, dv_b = (_arg(b, n) for n in ("dq", "dk", "dv"))
-        if isinstance(result["ret"], tuple) and dq_b is None:  # FA4 returns (dq, dk, dv)
+        if isinstance(result["ret"], tuple) and dq_b is None:  # FA4 returns (dq, dk, dv[, dsink])
             dq_b, dk_b, dv_b = result["ret"][:3]
         return tuple(_to_bhsd(t, varlen) for t in (dq_b, dk_b, dv_b))
 
@@ -145,9 +173,10 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
         wr = -1
     scale = _arg(b, "softmax_scale")
     problem = Problem(scale=float(scale) if scale is not None else q.shape[-1] ** -0.5, causal=causal,
-                      causal_align="bottom_right", window=(wl, wr), softcap=float(_arg(b, "softcap", default=0.0)),
+                      causal_align="bottom_right", window=(wl, wr), softcap=softcap,
                       cu_seqlens_q=_arg(b, "cu_seqlens_q"), cu_seqlens_k=_arg(b, "cu_seqlens_k"),
-                      max_seqlen_q=_arg(b, "max_seqlen_q"), max_seqlen_k=_arg(b, "max_seqlen_k"))
+                      max_seqlen_q=_arg(b, "max_seqlen_q"), max_seqlen_k=_arg(b, "max_seqlen_k"),
+                      sink=None if sink is None else sink.detach().to(SINK_DTYPE))
     grads = run_backward(CallRecord(problem, context), BackwardTensors(do4, q4, k4, v4, o4, lse), run_original)
     if "ret" in result:  # the original kernel ran and filled the buffers itself
         return result["ret"]
@@ -161,6 +190,8 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
             buf.copy_(g[..., :buf.shape[-1]]) if g.shape[-1] >= buf.shape[-1] else buf.copy_(g)
             outs.append(buf)
     if returns == "grads":
+        if given_sink is not None:  # FA4's format: dsink shaped and typed like the sink it was given
+            outs.append(grads[3].to(given_sink.dtype).view_as(given_sink))
         return tuple(outs)
     return _softmax_d(b, q4, o4, do4, varlen, fake)
 
@@ -231,7 +262,7 @@ def _patch_attr(module, name: str, source: str, backward: bool) -> Callable[[], 
             return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), source,
                                          returns="grads")
     else:
-        call = fa_records.recording(previous, source)
+        call = fa_records.recording(previous, source, sink_of=fa_records.argument_reader(previous, FA4_SINK))
     replacement = fa_records.FunctionProxy(previous, call)
     setattr(module, name, replacement)
 
