@@ -55,15 +55,16 @@ def _head_errors(got, want):
     return [_rel(got[:, h], want[:, h]) for h in range(want.shape[1])]
 
 
-def softcapped_with_sink(q, k, v, sink, *, softcap, causal, scale=None):
-    """fp64 attention in FA4's layout with softcapped scores and an uncapped sink column (what FA4 computes
-    with both; the GProj tiers refuse the pair): (out, lse), differentiable. Sq = Sk here, so causal is
-    the same in either alignment."""
+def exact_attention(q, k, v, sink, *, softcap, causal, scale=None):
+    """fp64 attention in FA4's layout, scores softcapped when ``softcap`` > 0, an uncapped sink column (what
+    FA4 computes with both; the GProj tiers refuse the pair): (out, lse), differentiable. Sq = Sk here, so
+    causal is the same in either alignment."""
     q, k, v = (_bhsd(t).double() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
-    s = softcap * torch.tanh(s / softcap)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if causal:
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
     full = torch.cat([s, sink.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
@@ -79,7 +80,7 @@ def fa4_with_sinks(monkeypatch, *, sink_backward=True):
 
     def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, softcap=0.0, learnable_sink=None):
         if softcap and learnable_sink is not None:
-            out, lse = softcapped_with_sink(q, k, v, learnable_sink.detach(), softcap=softcap, causal=causal,
+            out, lse = exact_attention(q, k, v, learnable_sink.detach(), softcap=softcap, causal=causal,
                                             scale=softmax_scale)
             return out.to(q.dtype).contiguous(), lse.float()
         out, lse = reference_forward(*(_bhsd(t) for t in (q, k, v)), scale=softmax_scale, causal=causal,
@@ -87,15 +88,19 @@ def fa4_with_sinks(monkeypatch, *, sink_backward=True):
                                      sink=None if learnable_sink is None else learnable_sink.detach().float())
         return _bhsd(out.to(q.dtype)).contiguous(), lse.float()
 
-    def original(q, k, v, out, dout, lse, softmax_scale, causal, softcap, sink):
-        """FA4's fused BF16 backward, modelled: FA's roundings, no projection; dsink as FA4 computes it."""
+    def original(q, k, v, out, dout, lse, softmax_scale, causal, softcap, sink, dlse=None):
+        """FA4's fused BF16 backward, modelled: FA's roundings, no projection; dsink as FA4 computes it.
+        Softcap with a sink, and a ``dlse``, the emulation does not take: computed exactly in fp64 there (only
+        their routing is under test)."""
         calls["original"] += 1
         iface._flash_attn_bwd.compile_cache.setdefault("key", "compiled")  # FA4: state on the function object
-        if softcap and sink is not None:  # modelled exactly (only the routing of this pair is under test)
+        if (softcap or dlse is not None) and sink is not None:
             with torch.enable_grad():  # autograd's backward runs without grad mode
                 leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sink)]
-                o, _ = softcapped_with_sink(*leaves, softcap=softcap, causal=causal, scale=softmax_scale)
-                grads = torch.autograd.grad(o, leaves, dout.double())
+                o, l = exact_attention(*leaves, softcap=softcap, causal=causal, scale=softmax_scale)
+                outputs, grad_outputs = (o,) + (() if dlse is None else (l,)), \
+                    (dout.double(),) + (() if dlse is None else (dlse.double(),))
+                grads = torch.autograd.grad(outputs, leaves, grad_outputs)
             return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v, sink)))
         grads = emulated_backward(*(_bhsd(t) for t in (q, k, v, out, dout)), lse, fmt="bf16", correct=False,
                                   scale=softmax_scale, causal=causal, causal_align="bottom_right", softcap=softcap,
@@ -105,9 +110,12 @@ def fa4_with_sinks(monkeypatch, *, sink_backward=True):
 
     if sink_backward:
         def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
-                            window_size_left=None, window_size_right=None, deterministic=False, dq=None, dk=None,
-                            dv=None, dlse=None, learnable_sink=None):
-            return original(q, k, v, out, dout, lse, softmax_scale, causal, softcap, learnable_sink)
+                            window_size_left=None, window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                            max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dq=None, dk=None, dv=None,
+                            dlse=None, learnable_sink=None):
+            if cu_seqlens_q is not None:
+                raise NotImplementedError("the stand-in's original backward does not model varlen")
+            return original(q, k, v, out, dout, lse, softmax_scale, causal, softcap, learnable_sink, dlse)
     else:
         def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
                             window_size_left=None, window_size_right=None, deterministic=False):
@@ -271,3 +279,41 @@ def test_sink_records_do_not_outlive_their_backward(monkeypatch):
     assert fa_records.live_records() == 0
     s = gproj_patch.stats()
     assert s["fp32"] + s["gproj"] + s["original"] == 3
+
+
+def test_varlen_sink_direct_call(monkeypatch):
+    """FA4's varlen layout (total, H, D), LSE (H, total): dsink sums the rows of every sequence of a head."""
+    iface, _func, calls = fa4_with_sinks(monkeypatch)
+    lens = (20, 37, 7)
+    cu = torch.tensor((0,) + tuple(sum(lens[:i + 1]) for i in range(len(lens))), dtype=torch.int32)
+    q, k, v, do, sink = (t.reshape(-1, *t.shape[2:])[:sum(lens)] if t.dim() == 4 else t
+                         for t in inputs(orthogonal=False, seed=6))
+    packed = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, do)]  # (1, H, total, D)
+    out, lse = reference_forward(*packed[:3], causal=True, causal_align="bottom_right", cu_seqlens_q=cu,
+                                 cu_seqlens_k=cu, sink=sink)
+    ref = reference_backward(*packed, causal=True, causal_align="bottom_right", cu_seqlens_q=cu, cu_seqlens_k=cu,
+                             sink=sink)
+    gproj_patch.enable(mode="gproj", targets=("flash_attn",))
+    out = out[0].transpose(0, 1).to(q.dtype).contiguous()
+    got = iface._flash_attn_bwd(q, k, v, out, do, lse[0].float(), None, True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                max_seqlen_q=max(lens), max_seqlen_k=max(lens), learnable_sink=sink)
+    assert calls["original"] == 0 and len(got) == 4
+    for name, g, want in zip(("dq", "dk", "dv", "dsink"), got, ref):
+        err = _rel(g.unsqueeze(0).transpose(1, 2) if g.dim() == 3 else g, want)
+        assert err < BOUND, (name, err)
+
+
+def test_dlse_goes_to_the_original(monkeypatch):
+    """FA4 with ``return_lse=True`` hands the backward the LSE's gradient (``dlse``), which changes D; the
+    corrected path does not take it: FA4's own backward runs, reason counted."""
+    iface, _func, calls = fa4_with_sinks(monkeypatch)
+    q, k, v, do, sink = inputs(orthogonal=True, seed=7)
+    out, lse = iface._flash_attn_fwd(q, k, v, causal=True, learnable_sink=sink)
+    gproj_patch.enable(mode="gproj", targets=("flash_attn",))
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(8))
+    got = iface._flash_attn_bwd(q, k, v, out, do, lse, None, True, dlse=dlse, learnable_sink=sink)
+    assert calls["original"] == 1 and len(got) == 4
+    without = reference_backward(*(_bhsd(t) for t in (q, k, v, do)), causal=True, sink=sink)
+    assert _rel(got[3], without[3]) > 0.1, "dlse changes dsink: FA4's own answer, not the one without dlse"
+    s = gproj_patch.stats()
+    assert s["original"] == 1 and any("'dlse'" in r for r in s["fallback_reasons"])
