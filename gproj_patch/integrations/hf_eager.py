@@ -1,0 +1,356 @@
+"""Hook: HF Transformers' eager attention (``eager_attention_forward`` of every modeling module).
+
+Each ``transformers.models.<model>.modeling_<name>`` module defines its own ``eager_attention_forward`` and its
+attention classes look it up as a module global at call time (``ALL_ATTENTION_FUNCTIONS.get_interface(impl,
+eager_attention_forward)``), so replacing that global reaches every model on ``attn_implementation="eager"``,
+``output_attentions=True`` included. ``install()`` wraps it in every modeling module already imported and, through
+``import_hooks.call_after_import`` (one pending callback per modeling module name, listed from the installed
+package's files without importing anything), in each one imported later. ``uninstall()`` restores each global
+by identity (only where it still holds our wrapper) and withdraws the pending callbacks.
+
+What a wrapped call does. The wrapper calls the model's own function, same arguments, same ops: the forward is
+the unpatched forward bit for bit and the attention weights are still returned (``ops/hf_eager.py``). Whether
+its backward can be corrected depends on what the function computes, which differs between models (GQA or
+not, softcap, gpt-oss's sink column, T5's position bias, ...). So each function is *probed* once, on a tiny
+fp64 problem, against the fp64 oracle (``backends.reference``): ``softmax(scaling·QKᵀ [+softcap] + mask) V`` with
+additive masks, with GQA through ``module.num_key_value_groups`` or not, with ``module.sinks`` as a sink column
+or not, applying its ``softcap`` argument or ignoring it. A function that matches none of these, or raises on
+the probe module, keeps its original backward (reason counted); so do calls with arguments the probe did not
+cover (a tensor keyword such as ``position_bias``, ``head_mask``), no ``scaling``, or dropout.
+
+Dropout (training with ``attention_dropout > 0``): passed through untouched, reason counted. The keep mask is
+only partly recoverable from the outputs — a weight that rounds to 0 in BF16/FP16 (any probability below 6e-8
+in FP16) hides whether it was dropped — and reading it from the dropout node would touch private autograd
+attributes; the SDPA and flash-attn paths pass dropout through the same way.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import logging
+import os
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+logger = logging.getLogger("gproj_patch")
+
+ATTRIBUTE = "eager_attention_forward"
+PACKAGE = "transformers.models"
+SOURCE = "hf_eager"
+#: keyword tensors HF passes to every attention function that the eager functions do not compute with
+INERT_TENSOR_KWARGS = ("position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k")
+#: explicit parameters the routed math covers (the first five positional ones are module, q, k, v, mask)
+ROUTED_PARAMETERS = ("scaling", "dropout", "softcap")
+
+_lock = threading.RLock()
+_patched: List[Tuple[object, Callable, Callable]] = []   # (module, original, wrapper)
+_pending: List[object] = []                              # import_hooks.AfterImport handles
+_installed = False
+
+
+# --------------------------------------------------------------------------------------------- the probe
+@dataclass(frozen=True)
+class EagerForm:
+    """What a probed eager function computes. ``softcap``: "applied", "ignored" or "unknown"."""
+    gqa: bool
+    sink: bool
+    softcap: str
+
+
+_forms: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # function -> EagerForm or reason (str)
+
+PROBE_SHAPE = dict(batch=2, heads=4, kv_heads=2, sq=5, sk=7, dim=8)
+PROBE_SCALE = 0.3
+PROBE_SOFTCAP = 1.5
+PROBE_TOLERANCE = 1e-5     # eager softmaxes in fp32: the fp64 probe agrees to fp32's precision
+PROBE_MASKED = -1e4        # a masked key in the probe's additive mask (no row fully masked)
+
+
+def _probe_module(heads: int, kv_heads: int, dim: int):
+    import torch
+
+    class _ProbeAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_key_value_groups = heads // kv_heads
+            self.head_dim = dim
+            self.scaling = PROBE_SCALE
+            self.is_causal = False
+            self.sinks = torch.nn.Parameter(torch.linspace(-1.0, 2.5, heads, dtype=torch.float64))
+    return _ProbeAttention().eval()
+
+
+def _probe_inputs(kv_heads: int):
+    import torch
+    p = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(p["batch"], p["heads"], p["sq"], p["dim"], generator=g, dtype=torch.float64) * 2
+    k = torch.randn(p["batch"], kv_heads, p["sk"], p["dim"], generator=g, dtype=torch.float64) * 2
+    v = torch.randn(p["batch"], kv_heads, p["sk"], p["dim"], generator=g, dtype=torch.float64)
+    bias = torch.rand(p["batch"], 1, p["sq"], p["sk"], generator=g, dtype=torch.float64) - 0.5
+    hidden = torch.rand(p["batch"], 1, p["sq"], p["sk"], generator=g) < 0.3
+    hidden[..., 0] = False
+    return q, k, v, bias.masked_fill(hidden, PROBE_MASKED)
+
+
+def _matches(fn, kv_heads: int, *, sink: bool, ref_softcap: float = 0.0, call_kwargs: Optional[dict] = None) -> bool:
+    """Whether ``fn`` (given ``call_kwargs``) on the probe problem equals the oracle with a sink or not and
+    softcap ``ref_softcap`` (fp64)."""
+    import torch
+
+    from ..backends.reference import reference_forward
+    p = PROBE_SHAPE
+    q, k, v, mask = _probe_inputs(kv_heads)
+    module = _probe_module(p["heads"], kv_heads, p["dim"])
+    with torch.no_grad():
+        out, _ = fn(module, q, k, v, mask, scaling=PROBE_SCALE, dropout=0.0, **(call_kwargs or {}))
+        want, _ = reference_forward(q, k, v, attn_mask=mask, scale=PROBE_SCALE, softcap=ref_softcap,
+                                    sink=module.sinks.detach() if sink else None)
+    out = out.transpose(1, 2).double()
+    return out.shape == want.shape and float((out - want).norm() / want.norm()) < PROBE_TOLERANCE
+
+
+def _probe(fn) -> "EagerForm | str":
+    p = PROBE_SHAPE
+    try:
+        base = [s for s in (False, True) if _matches(fn, p["heads"], sink=s)]
+        if not base:
+            return "it computes something else than softmax(scaling·QKᵀ + mask)·V (with or without a sink)"
+        sink = base[0]
+        try:
+            gqa = _matches(fn, p["kv_heads"], sink=sink)
+        except Exception:  # noqa: BLE001 - a function without GQA fails on unequal head counts
+            gqa = False
+        softcap = "unknown"
+        if not sink:
+            try:
+                capped = {"softcap": PROBE_SOFTCAP}
+                if _matches(fn, p["heads"], sink=False, ref_softcap=PROBE_SOFTCAP, call_kwargs=capped):
+                    softcap = "applied"
+                elif _matches(fn, p["heads"], sink=False, call_kwargs=capped):
+                    softcap = "ignored"
+            except TypeError:
+                pass
+        return EagerForm(gqa=gqa, sink=sink, softcap=softcap)
+    except Exception as exc:  # noqa: BLE001 - whatever the function needs that the probe lacks
+        return f"the probe raised {type(exc).__name__}: {exc}"
+
+
+def form_of(fn) -> "EagerForm | str":
+    """The probed form of an eager function (cached per function object), or why it is not routed."""
+    with _lock:
+        try:
+            return _forms[fn]
+        except (KeyError, TypeError):
+            pass
+        form = _probe(fn)
+        try:
+            _forms[fn] = form
+        except TypeError:  # not weak-referenceable: probed again next time
+            pass
+        return form
+
+
+# ------------------------------------------------------------------------------------------- one call
+@dataclass(frozen=True, eq=False)
+class _Bound:
+    """An eager call's arguments, read through the function's signature."""
+    module: object
+    query: object
+    key: object
+    value: object
+    mask: object
+    scaling: Optional[float]
+    dropout: float
+    softcap: Optional[float]
+    others: Dict[str, object]   # every other argument given (explicit or in **kwargs)
+
+
+def _bind(fn, args, kwargs) -> Optional[_Bound]:
+    try:
+        sig = inspect.signature(fn)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    positional = [p.name for p in params[:5]]
+    if len(positional) < 5 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params[:5]):
+        return None
+    given = dict(bound.arguments)
+    for p in params:
+        if p.kind == p.VAR_KEYWORD:
+            given.update(given.pop(p.name, {}))
+        elif p.kind == p.VAR_POSITIONAL and given.pop(p.name, ()):
+            return None
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    get = lambda name, default=None: given.get(name, defaults.get(name, default))  # noqa: E731
+    others = {n: x for n, x in given.items() if n not in positional and n not in ROUTED_PARAMETERS}
+    return _Bound(*(given.get(n) for n in positional), scaling=get("scaling"), dropout=get("dropout", 0.0) or 0.0,
+                  softcap=get("softcap"), others=others)
+
+
+def _argument_reason(b: _Bound, form: EagerForm) -> Optional[str]:
+    import torch
+    for name, value in b.others.items():
+        if name == "s_aux" and form.sink and value is getattr(b.module, "sinks", None):
+            continue  # gpt-oss passes its sinks both ways; the function reads module.sinks
+        if isinstance(value, torch.Tensor) and name not in INERT_TENSOR_KWARGS:
+            return f"tensor argument {name!r} (not covered by the probe)"
+    if b.scaling is None:
+        return "no scaling given"
+    if b.dropout > 0.0 and getattr(b.module, "training", False):
+        return "dropout > 0 (the eager dropout mask is not replayed; passed through)"
+    if b.softcap is not None and form.softcap == "unknown":
+        return "softcap given to a function whose softcap the probe could not establish"
+    if b.query.shape[1] != b.key.shape[1] and not form.gqa:
+        return "key heads differ from query heads and the function showed no GQA"
+    return None
+
+
+def unsupported_reason(fn, b: _Bound) -> Optional[str]:
+    """Why this eager call keeps its original backward (None: it is corrected)."""
+    import torch
+
+    from ..ops.hf_eager import mask_unsupported_reason
+    form = form_of(fn)
+    if isinstance(form, str):
+        return form
+    tensors = (b.query, b.key, b.value)
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        return "query/key/value are not plain tensors"
+    if any(t.dim() != 4 or t.numel() == 0 for t in tensors):
+        return "inputs are not non-empty 4-D (B, H, S, D)"
+    return _argument_reason(b, form) or mask_unsupported_reason(b.mask, b.query.shape[2], b.key.shape[2])
+
+
+def _layer_name(module) -> Optional[str]:
+    idx = getattr(module, "layer_idx", None)
+    return None if idx is None else f"{type(module).__name__}.{idx}"
+
+
+def eager_call(fn, args, kwargs):
+    """One call of the wrapped eager function ``fn``: the original, or the same forward with the corrected
+    backward."""
+    from .. import config, telemetry
+    from ..ops import hf_eager as op
+    cfg = config.active()
+    b = _bind(fn, args, kwargs) if cfg is not None and cfg.mode != "off" else None
+    if b is None or not all(hasattr(t, "requires_grad") for t in (b.query, b.key, b.value)):
+        return fn(*args, **kwargs)
+    form = form_of(fn)
+    sink = getattr(b.module, "sinks", None) if isinstance(form, EagerForm) and form.sink else None
+    if not op.needs_correction(b.query, b.key, b.value, sink):
+        return fn(*args, **kwargs)
+    reason = unsupported_reason(fn, b)
+    if reason is not None:
+        telemetry.record_forward("original", f"{SOURCE}: {reason}", telemetry.shape_class(SOURCE, b.query, b.key))
+        return fn(*args, **kwargs)
+    sig = inspect.signature(fn)
+    names = list(sig.parameters)[1:4]
+
+    def forward(q, k, v, _sink):
+        bound = sig.bind(*args, **kwargs)
+        for name, t in zip(names, (q, k, v)):
+            bound.arguments[name] = t
+        return fn(*bound.args, **bound.kwargs)
+    call = op.EagerCall(fn=forward, scale=float(b.scaling), mask=b.mask,
+                        softcap=float(b.softcap) if b.softcap is not None and form.softcap == "applied" else 0.0,
+                        sink=sink, sink_is_argument=False, layer=_layer_name(b.module), source=SOURCE)
+    return op.run_eager(call, b.query, b.key, b.value)
+
+
+# ------------------------------------------------------------------------------------------ install
+def _wrap(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def eager_attention_forward(*args, **kwargs):
+        return eager_call(original, args, kwargs)
+    eager_attention_forward.__gproj_original__ = original
+    return eager_attention_forward
+
+
+def original_of(fn: Callable) -> Callable:
+    """The unwrapped eager function (``fn`` itself when it is not our wrapper)."""
+    return getattr(fn, "__gproj_original__", fn)
+
+
+def _patch_module(name: str) -> None:
+    module = sys.modules.get(name)
+    fn = getattr(module, ATTRIBUTE, None)
+    if module is None or not callable(fn) or hasattr(fn, "__gproj_original__"):
+        return
+    with _lock:
+        if not _installed:
+            return
+        wrapper = _wrap(fn)
+        setattr(module, ATTRIBUTE, wrapper)
+        _patched.append((module, fn, wrapper))
+
+
+def _is_modeling(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and name.startswith(PACKAGE + ".") and parts[3].startswith("modeling_")
+
+
+def modeling_module_names() -> List[str]:
+    """Every ``transformers.models.<model>.modeling_<name>`` module of the installed package (from its files;
+    nothing is imported)."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return []
+    names = []
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        models = os.path.join(root, "models")
+        if not os.path.isdir(models):
+            continue
+        for model in sorted(os.listdir(models)):
+            folder = os.path.join(models, model)
+            if not os.path.isdir(folder):
+                continue
+            names += [f"{PACKAGE}.{model}.{f[:-3]}" for f in sorted(os.listdir(folder))
+                      if f.startswith("modeling_") and f.endswith(".py")]
+    return names
+
+
+def install() -> str:
+    """Wrap ``eager_attention_forward`` in the modeling modules imported so far, and in each one right after
+    it is imported."""
+    global _installed
+    from ..import_hooks import call_after_import
+    with _lock:
+        if _installed:
+            return "installed"
+        names = modeling_module_names()
+        if not names:
+            return "skipped: transformers not installed"
+        _installed = True
+        loaded = [n for n in list(sys.modules) if _is_modeling(n)]
+        for name in dict.fromkeys(loaded + names):
+            hook = call_after_import(name, functools.partial(_patch_module, name))
+            if hook is not None:
+                _pending.append(hook)
+    return "installed"
+
+
+def uninstall() -> None:
+    """Restore every wrapped global by identity (where it still holds our wrapper); withdraw pending hooks."""
+    global _installed
+    with _lock:
+        _installed = False
+        for hook in _pending:
+            hook.cancel()
+        _pending.clear()
+        for module, original, wrapper in reversed(_patched):
+            if getattr(module, ATTRIBUTE, None) is wrapper:
+                setattr(module, ATTRIBUTE, original)
+        _patched.clear()
+
+
+def patched_modules() -> List[str]:
+    """Names of the modules whose eager function is wrapped now."""
+    with _lock:
+        return [m.__name__ for m, _, w in _patched if getattr(m, ATTRIBUTE, None) is w]
