@@ -170,3 +170,73 @@ def uninstall() -> None:
                        "left as it is", fa_module.flex_attention)
     flex_op.set_original(None)
     _saved = None
+
+
+# ---- the audit's flex backends (``audit.available_backends`` adds what ``audit_backends`` returns) -----------
+def _case_mask_mod(mask: dict, sq: int, sk: int):
+    """The audit case's flags as a mask_mod (None: no mask)."""
+    causal, left, right = bool(mask.get("causal")), *tuple(mask.get("window", (-1, -1)))
+    if not causal and left < 0 and right < 0:
+        return None
+    shift = sk - sq if mask.get("causal_align", "top_left") == "bottom_right" else 0
+
+    def case_mask(b, h, q_idx, kv_idx):
+        diag = q_idx + shift
+        ok = kv_idx <= diag if causal else kv_idx >= 0
+        if left >= 0:
+            ok = ok & (kv_idx >= diag - left)
+        if right >= 0:
+            ok = ok & (kv_idx <= diag + right)
+        return ok
+    return case_mask
+
+
+_COMPILED_ORIGINAL = {}
+
+
+def _compiled_original():
+    fn = flex_op.original_flex()
+    if fn not in _COMPILED_ORIGINAL:
+        _COMPILED_ORIGINAL[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED_ORIGINAL[fn]
+
+
+def _audit_reason(corrected: bool):
+    def reason(inp) -> Optional[str]:
+        if not flex_is_supported():
+            return "this torch has no FlexAttention"
+        if "cu_seqlens_q" in inp.mask:
+            return "the varlen case packs unequal query/key lengths (flex documents need Sq == Sk per segment)"
+        if not corrected and inp.q.device.type != "cuda":
+            return "PyTorch's flex_attention has no CPU backward"
+        return None
+    return reason
+
+
+def _audit_run(corrected: bool):
+    def run(inp, k, saved):
+        from torch.nn.attention.flex_attention import create_block_mask
+        q, kk, v = (x.detach().clone().requires_grad_(True) for x in (inp.q, k, inp.v))
+        sq, sk = q.shape[2], kk.shape[2]
+        mask_mod = _case_mask_mod(inp.mask, sq, sk)
+        bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, sq, sk, device=q.device)
+        cap = float(inp.mask.get("softcap", 0.0))
+        args = dict(score_mod=flex_op.softcap_score_mod(cap) if cap else None, block_mask=bm,
+                    scale=inp.mask.get("scale"), enable_gqa=q.shape[1] != kk.shape[1])
+        if corrected:  # the hook's eager path: the GProj kernel or the FP32 tier
+            out = flex_op.flex(q, kk, v, cfg=_config.Config(mode="gproj"), **args)
+            if type(out.grad_fn).__name__ != "_FlexFunctionBackward":
+                raise RuntimeError(f"the flex hook passed this case through: {telemetry.stats()['fallback_reasons']}")
+        else:  # what an unpatched user gets: compiled flex and its fused backward
+            out = _compiled_original()(q, kk, v, **args)
+        out.backward(inp.do)
+        return q.grad, kk.grad, v.grad
+    return run
+
+
+def audit_backends(device) -> list:
+    """[(name, run(inp, k, saved) -> (dq, dk, dv), reason(inp) -> str or None)] for ``audit.Backend``:
+    ``flex-uncorrected`` (compiled flex, CUDA only) and ``flex-gproj`` (flex through this hook)."""
+    del device  # the reasons decide per case input
+    return [("flex-uncorrected", _audit_run(False), _audit_reason(False)),
+            ("flex-gproj", _audit_run(True), _audit_reason(True))]
