@@ -46,7 +46,6 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -56,53 +55,19 @@ from gproj_patch import policy  # noqa: E402
 from gproj_patch.layer_tracking import track_layers  # noqa: E402
 
 import training_regime_data as data  # noqa: E402
+from training_regime_model import (ARM_MODES, SMALL, RunConfig, build_model, induce_key_offset,  # noqa: E402
+                                   lm_loss)
 import training_regime_probe as probe  # noqa: E402
 import training_regime_report as report  # noqa: E402
 
 log = logging.getLogger("training_regime")
 
-ARM_MODES = {"unpatched": None, "gproj": "gproj", "auto": "auto", "fp32": "fp32"}
 REFERENCE_ARM = "fp32"
 SDPA_ONLY = ("sdpa",)
-HEAD_DIM = 64
 LAYER_NAME = "model.layers.{}.self_attn"  # track_layers' names for a LlamaForCausalLM
+DETECTOR_KEYS = ("r_k", "r_q", "leak_dq_eff", "leak_dk", "p_sink")  # policy.stats()[layer]["stats"], logged
 #: Torch threads on a CPU: small ops on a shared 2-core machine otherwise time the OpenMP wake-ups (×3-10 slower)
 CPU_THREADS = 1
-
-
-@dataclass
-class RunConfig:
-    layers: int = 8
-    hidden: int = 512
-    heads: int = 8
-    kv_heads: int = 4
-    intermediate: int = 2048
-    seq: int = 512
-    batch: int = 16
-    max_steps: int = 3000
-    time_budget: float = 330.0       # seconds of the lockstep training loop (checked between blocks)
-    lr: float = 2e-3
-    warmup: int = 100
-    weight_decay: float = 0.1
-    beta2: float = 0.95
-    clip: float = 1.0
-    rope_theta: float = 5e5
-    offset_layers: Tuple[int, ...] = (2, 5)
-    offset_rk: float = 512.0
-    eval_every: int = 50
-    eval_batches: int = 8
-    checkpoint_every: int = 500
-    sample_every: int = 10
-    oracle_seqs: int = 4
-    max_bytes: Optional[int] = None
-    seed: int = 0
-    arms: Tuple[str, ...] = tuple(ARM_MODES)
-    device: str = "cuda"
-
-
-SMALL = dict(layers=3, hidden=128, heads=2, kv_heads=1, intermediate=256, seq=128, batch=4, max_steps=12,
-             time_budget=30.0, warmup=4, eval_every=4, eval_batches=2, checkpoint_every=8, sample_every=4,
-             offset_layers=(1,), oracle_seqs=2, max_bytes=1 << 20)
 
 
 @dataclass
@@ -113,7 +78,7 @@ class Arm:
     optimizer: torch.optim.Optimizer
     curves: Dict[str, list] = field(default_factory=lambda: {
         "step": [], "loss": [], "grad_norm": [], "lr": [], "r_k": [], "max_logit": [], "p_max": [],
-        "auto_tier": [], "detector_r_k": [], "heldout_step": [], "heldout_loss": [], "checkpoints": [],
+        "auto_tier": [], "auto_ran": [], "detector": [], "heldout_step": [], "heldout_loss": [], "checkpoints": [],
         "backward_calls": {}, "fallback_reasons": {}, "seconds": 0.0})
 
 
@@ -134,56 +99,6 @@ class PatchSwitch:
         self.mode = mode
 
 
-def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    hf = LlamaConfig(vocab_size=data.VOCAB, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-                     num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                     head_dim=HEAD_DIM, max_position_embeddings=cfg.seq, attention_bias=False,
-                     rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-                     tie_word_embeddings=False)
-    torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(hf)
-    model.config._attn_implementation = "sdpa"
-    return model.to(device)
-
-
-def key_spread(model: torch.nn.Module, layer: int, ids: torch.Tensor) -> float:
-    """RMS_j ‖k_j − mean key‖ of ``layer``'s k_proj output (pre-RoPE), averaged over sequences and KV heads."""
-    seen = {}
-    proj = model.model.layers[layer].self_attn.k_proj
-    hook = proj.register_forward_hook(lambda m, i, o: seen.__setitem__("k", o.detach().float()))
-    with torch.no_grad():
-        model(input_ids=ids)
-    hook.remove()
-    k = seen["k"]
-    k = k.view(k.shape[0], k.shape[1], -1, HEAD_DIM).transpose(1, 2)  # (B, Hkv, S, D)
-    return (k - k.mean(2, keepdim=True)).pow(2).sum(-1).mean().sqrt().item()
-
-
-def induce_key_offset(model: torch.nn.Module, cfg: RunConfig, ids: torch.Tensor) -> Dict[str, object]:
-    """Frozen k_proj bias on the lowest-frequency RoPE pair of every KV head of ``cfg.offset_layers``."""
-    info = {"layers": list(cfg.offset_layers), "target_r_k": cfg.offset_rk, "spread": {}, "bias_norm": {}}
-    pair = (HEAD_DIM // 2 - 1, HEAD_DIM - 1)
-    for layer in cfg.offset_layers:
-        spread = key_spread(model, layer, ids)
-        proj = model.model.layers[layer].self_attn.k_proj
-        bias = torch.zeros(proj.out_features, device=proj.weight.device)
-        per_coord = cfg.offset_rk * spread / 2 ** 0.5  # two coordinates: ‖b‖ = offset_rk · spread per KV head
-        for c in pair:
-            bias[c::HEAD_DIM] = per_coord
-        proj.bias = torch.nn.Parameter(bias, requires_grad=False)
-        info["spread"][layer] = spread
-        info["bias_norm"][layer] = per_coord * 2 ** 0.5
-    return info
-
-
-def lm_loss(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-        logits = model(input_ids=ids).logits
-    loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    return loss, logits
-
-
 def learning_rate(cfg: RunConfig, step: int) -> float:
     return cfg.lr * min(1.0, (step + 1) / cfg.warmup)
 
@@ -202,6 +117,7 @@ class Trainer:
                                           n_tokens=len(self.corpus.train), seed=cfg.seed)
         held = data.heldout_windows(count=cfg.eval_batches * cfg.batch, seq=cfg.seq, n_tokens=len(self.corpus.heldout))
         self.heldout = data.gather(self.corpus.heldout, held, cfg.seq).view(cfg.eval_batches, cfg.batch, cfg.seq)
+        self.train_text = self.corpus.train.to(self.device)
         base = build_model(cfg, self.device)
         self.offset = induce_key_offset(base, cfg, self.batch(0))
         self.params = sum(p.numel() for p in base.parameters())
@@ -213,9 +129,10 @@ class Trainer:
             opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
             self.arms.append(Arm(name, ARM_MODES[name], model, opt))
         self.step0_logits: Dict[str, torch.Tensor] = {}
+        self.steps_done = 0
 
     def batch(self, step: int) -> torch.Tensor:
-        return data.gather(self.corpus.train, self.windows[step], self.cfg.seq).to(self.device)
+        return data.gather(self.train_text, self.windows[step], self.cfg.seq)
 
     # --- one arm, one step ---------------------------------------------------------------------------
     def train_step(self, arm: Arm, step: int, checkpoint: bool, update: bool = True) -> None:
@@ -223,20 +140,20 @@ class Trainer:
         self.switch.use(arm.mode)
         if arm.mode == "auto":
             policy.set_step(step)
-        gproj_patch.reset_stats()
+        before = gproj_patch.stats()  # counters are cumulative (reset_stats would also clear auto's layer records)
         arm.optimizer.zero_grad(set_to_none=True)
         with probe.AttentionRecorder(grads=checkpoint, keep_seqs=max(cfg.oracle_seqs, probe.STATS_SEQS)) as rec:
             loss, logits = lm_loss(arm.model, ids, self.device)
             if step == 0 and update:
                 self.step0_logits[arm.name] = logits.detach()
             loss.backward()
-        self._count_backward(arm)
+        self._count_backward(arm, before)
         c = arm.curves
         if update:
             stats = probe.layer_statistics(rec.calls)
             for key in ("r_k", "max_logit", "p_max"):
                 c[key].append(stats[key])
-            self._record_auto(arm)
+            self._record_auto(arm, step)
         if checkpoint:
             self._checkpoint(arm, step, ids, rec)
         if not update:
@@ -252,21 +169,29 @@ class Trainer:
         c["loss"].append(values[0])
         c["grad_norm"].append(values[1])
 
-    def _count_backward(self, arm: Arm) -> None:
-        st = gproj_patch.stats()
-        calls = arm.curves["backward_calls"]
+    def _count_backward(self, arm: Arm, before: dict) -> None:
+        """Backward calls per tier that ran and fallback reasons during this step (differences of stats())."""
+        after = gproj_patch.stats()
+        calls, reasons = arm.curves["backward_calls"], arm.curves["fallback_reasons"]
         for tier in ("gproj", "fp32", "original"):
-            calls[tier] = calls.get(tier, 0) + int(st.get(tier, 0))
-        for reason, n in st.get("fallback_reasons", {}).items():
-            arm.curves["fallback_reasons"][reason] = arm.curves["fallback_reasons"].get(reason, 0) + n
+            calls[tier] = calls.get(tier, 0) + int(after.get(tier, 0)) - int(before.get(tier, 0))
+        old = before.get("fallback_reasons", {})
+        for reason, n in after.get("fallback_reasons", {}).items():
+            if n != old.get(reason, 0):
+                reasons[reason] = reasons.get(reason, 0) + n - old.get(reason, 0)
 
-    def _record_auto(self, arm: Arm) -> None:
+    def _record_auto(self, arm: Arm, step: int) -> None:
+        """The tier the policy chose per layer (``policy_tier``; ``tier`` is the one that ran: on a CPU the
+        choice "gproj" runs the FP32 tier) and, on steps where it sampled, the detector's statistics."""
         if arm.mode != "auto":
             return
         recs = policy.stats()
-        names = [LAYER_NAME.format(i) for i in range(self.cfg.layers)]
-        arm.curves["auto_tier"].append([recs.get(n, {}).get("tier") for n in names])
-        arm.curves["detector_r_k"].append([recs.get(n, {}).get("stats", {}).get("r_k") for n in names])
+        layers = [recs.get(LAYER_NAME.format(i), {}) for i in range(self.cfg.layers)]
+        arm.curves["auto_tier"].append([r.get("policy_tier", r.get("tier")) for r in layers])
+        arm.curves["auto_ran"].append([r.get("tier") for r in layers])
+        if step % self.cfg.sample_every == 0:
+            arm.curves["detector"].append({"step": step, **{k: [r.get("stats", {}).get(k) for r in layers]
+                                                            for k in DETECTOR_KEYS}})
 
     def _checkpoint(self, arm: Arm, step: int, ids: torch.Tensor, rec: probe.AttentionRecorder) -> None:
         entry = {"step": step, "oracle": probe.oracle_errors(rec.calls)}
@@ -305,6 +230,7 @@ class Trainer:
                 arm.curves["seconds"] += time.perf_counter() - ta
             progress(end, {a.name: a.curves["loss"][-1] for a in self.arms})
             step, last_block = end, time.perf_counter() - tb
+            self.steps_done = step
             if time.perf_counter() - t0 + last_block > cfg.time_budget:
                 log.info("time budget %.0f s reached after step %d", cfg.time_budget, step)
                 break
@@ -320,6 +246,8 @@ class Trainer:
             torch.cuda.synchronize()
 
     def step0_equal(self) -> Dict[str, bool]:
+        if not self.step0_logits:
+            return {}
         first = next(iter(self.step0_logits.values()))
         return {name: bool(torch.equal(first, lg)) for name, lg in self.step0_logits.items()}
 
@@ -387,17 +315,27 @@ def _run(cfg: RunConfig, args: argparse.Namespace, log_path: str, t0: float) -> 
     log.info("%d parameters; corpus %s: %d train files (%d bytes), %d held-out files (%d bytes); offset %s",
              trainer.params, trainer.corpus.root, trainer.corpus.files_train, len(trainer.corpus.train),
              trainer.corpus.files_heldout, len(trainer.corpus.heldout), trainer.offset)
+    error = None
     with report.Progress(total=cfg.max_steps) as bar:
-        steps = trainer.run(bar.update)
+        try:
+            trainer.run(bar.update)
+        except Exception as exc:  # keep what was measured: the curves so far still go to the JSON
+            log.exception("training stopped after step %d", trainer.steps_done)
+            error = f"{type(exc).__name__}: {exc}"
+    gproj_patch.disable()
     results = {"config": asdict(cfg), "environment": environment(trainer.device), "parameters": trainer.params,
                "corpus": {"root": trainer.corpus.root, "train_bytes": len(trainer.corpus.train),
                           "heldout_bytes": len(trainer.corpus.heldout), "train_files": trainer.corpus.files_train,
                           "heldout_files": trainer.corpus.files_heldout},
-               "offset": trainer.offset, "steps": steps, "step0_forward_bitwise_equal": trainer.step0_equal(),
+               "offset": trainer.offset, "steps": trainer.steps_done, "error": error,
+               "step0_forward_bitwise_equal": trainer.step0_equal(),
                "arms": {a.name: a.curves for a in trainer.arms}, "seconds": time.time() - t0}
-    results["summary"] = report.summarize(results)
+    if error is None:
+        results["summary"] = report.summarize(results)
     with open(os.path.join(args.out, "training_regime.json"), "w") as f:
         json.dump(report.compact(results), f)
+    if error is not None:
+        raise SystemExit(f"training_regime: {error} (curves up to step {trainer.steps_done} in the JSON)")
     if not args.no_plot:
         report.plot(results, os.path.join(args.out, "training_regime.png"))
     text = report.table(results)
@@ -405,7 +343,6 @@ def _run(cfg: RunConfig, args: argparse.Namespace, log_path: str, t0: float) -> 
         f.write(text + "\n")
     print(text)
     return results
-
 
 if __name__ == "__main__":
     main()

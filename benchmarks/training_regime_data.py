@@ -83,5 +83,5 @@ def heldout_windows(*, count: int, seq: int, n_tokens: int) -> torch.Tensor:
 
 def gather(text: torch.Tensor, starts: torch.Tensor, seq: int) -> torch.Tensor:
     """Token ids (len(starts), seq), int64."""
-    idx = starts.reshape(-1, 1) + torch.arange(seq).reshape(1, -1)
+    idx = starts.reshape(-1, 1).to(text.device) + torch.arange(seq, device=text.device).reshape(1, -1)
     return text[idx].long()

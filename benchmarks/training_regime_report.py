@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 TAIL_FRACTION = 0.1
 SIGNIFICANT_DIGITS = 6
@@ -133,8 +133,9 @@ def table(results: dict) -> str:
         if "auto_off_original_end" in r:
             lines.append(f"{name:10s} layers off 'original' at the end: {r['auto_off_original_end']}, ever: "
                          f"{r['auto_off_original_ever']} (offset layers {cfg['offset_layers']})")
-    r_k = summ[REFERENCE_ARM]["r_k_end"] or []
-    lines.append("R_k at the end (fp32 arm), per layer: " + " ".join(f"{v:.3g}" for v in r_k))
+    for name, r in summ.items():
+        lines.append(f"{name:10s} at the end, per layer: R_k " + " ".join(f"{v:.3g}" for v in r["r_k_end"] or [])
+                     + " | max|logit| " + " ".join(f"{v:.3g}" for v in r["max_logit_end"] or []))
     return "\n".join(lines)
 
 
@@ -149,8 +150,17 @@ def _smooth(values: List[float]) -> List[float]:
     return out
 
 
+TIER_RANK = {"original": 0, "gproj": 1, "fp32": 2}
+
+
+def _per_layer(ax, steps, rows, layer, offset, color, label):
+    ax.plot(steps, [r[layer] for r in rows], color=color, lw=0.9 if layer in offset else 0.5,
+            ls="-" if layer in offset else ":", label=label if layer == min(offset) else None)
+
+
 def plot(results: dict, path: str) -> Optional[str]:
-    """Six panels: loss, loss − fp32 arm, pre-clip gradient norm, per-layer dq error, R_k, max |logit|."""
+    """Eight panels: loss, loss − fp32 arm, pre-clip gradient norm, full-model gradient vs the FP32 backward,
+    per-layer dq error vs the fp64 oracle, R_k, max |logit|, and the tier ``auto`` held per layer."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -159,42 +169,51 @@ def plot(results: dict, path: str) -> Optional[str]:
         return None
     cfg, arms = results["config"], results["arms"]
     offset = set(cfg["offset_layers"])
-    fig, ax = plt.subplots(2, 3, figsize=(18, 9.5))
+    fig, ax = plt.subplots(2, 4, figsize=(24, 10))
     ref = arms[REFERENCE_ARM]
     for name, c in arms.items():
         col = ARM_COLORS.get(name, None)
-        ax[0, 0].plot(c["step"], _smooth(c["loss"]), color=col, lw=1, label=f"{name} train")
+        ax[0, 0].plot(c["step"], _smooth(c["loss"]), color=col, lw=1, label=name)
         ax[0, 0].plot(c["heldout_step"], c["heldout_loss"], color=col, ls="--", marker=".", ms=3)
         n = min(len(c["loss"]), len(ref["loss"]))
         diff = [a - b for a, b in zip(c["loss"][:n], ref["loss"][:n])]
-        ax[0, 1].plot(c["step"][:n], _smooth(diff), color=col, lw=1, label=f"{name} train")
+        ax[0, 1].plot(c["step"][:n], _smooth(diff), color=col, lw=1, label=name)
         hd = [a - b for a, b in zip(c["heldout_loss"], ref["heldout_loss"])]
         ax[0, 1].plot(c["heldout_step"][:len(hd)], hd, color=col, ls="--", marker=".", ms=3)
         ax[0, 2].plot(c["step"], c["grad_norm"], color=col, lw=0.6, alpha=0.8, label=name)
         steps = [e["step"] for e in c["checkpoints"]]
+        gaps = [e.get("gap_vs_fp32_backward") for e in c["checkpoints"]]
+        if all(gaps):
+            ax[0, 3].plot(steps, [g["rel_diff"] for g in gaps], color=col, marker="o", ms=3, label=name)
         for i in range(cfg["layers"]):
-            dq = [e["oracle"][i]["dq"] for e in c["checkpoints"]]
-            ax[1, 0].plot(steps, dq, color=col, ls="-" if i in offset else ":", marker="o" if i in offset else ".",
-                          ms=3, lw=1, label=name if i == min(offset) else None)
-            ax[1, 1].plot(c["step"], [r[i] for r in c["r_k"]], color=col, lw=0.8 if i in offset else 0.5,
-                          ls="-" if i in offset else ":", label=name if i == min(offset) else None)
-            ax[1, 2].plot(c["step"], [r[i] for r in c["max_logit"]], color=col, lw=0.8 if i in offset else 0.5,
-                          ls="-" if i in offset else ":", label=name if i == min(offset) else None)
+            dq = [[e["oracle"][j]["dq"] for j in range(cfg["layers"])] for e in c["checkpoints"]]
+            _per_layer(ax[1, 0], steps, dq, i, offset, col, name)
+            _per_layer(ax[1, 1], c["step"], c["r_k"], i, offset, col, name)
+            _per_layer(ax[1, 2], c["step"], c["max_logit"], i, offset, col, name)
+        if c["auto_tier"]:
+            grid = [[TIER_RANK.get(t, -1) for t in tiers] for tiers in c["auto_tier"]]
+            im = ax[1, 3].imshow(list(map(list, zip(*grid))), aspect="auto", interpolation="nearest",
+                                 cmap=matplotlib.colors.ListedColormap(["lightgrey", "tab:green", "tab:purple"]),
+                                 vmin=0, vmax=2, extent=(c["step"][0], c["step"][-1] + 1, cfg["layers"] - 0.5, -0.5))
+            cbar = fig.colorbar(im, ax=ax[1, 3], ticks=[1 / 3, 1, 5 / 3])
+            cbar.ax.set_yticklabels(["original", "gproj", "fp32"])
     ax[0, 0].set(title="loss (solid: train, smoothed; dashed: held-out)", xlabel="step", ylabel="nats/byte")
     ax[0, 1].set(title="loss − fp32-attention arm (solid: train, smoothed; dashed: held-out)", xlabel="step")
     ax[0, 1].axhline(0, color="grey", lw=0.5)
     ax[0, 2].set(title="pre-clip global gradient norm", xlabel="step", yscale="log")
-    ax[1, 0].set(title="attention dq error vs fp64 oracle, per layer (solid: offset layers)", xlabel="step",
-                 yscale="log")
+    ax[0, 3].set(title="‖g − g_FP32-bwd‖/‖g_FP32-bwd‖, same weights and batch", xlabel="step", yscale="log")
+    ax[1, 0].set(title="attention dq error vs fp64 oracle (solid: offset layers)", xlabel="step", yscale="log")
     ax[1, 1].set(title="key offset ratio R_k per layer (solid: offset layers)", xlabel="step", yscale="log")
-    ax[1, 2].set(title="max |attention logit| per layer", xlabel="step", yscale="log")
-    for a in ax.flat:
+    ax[1, 2].set(title="max |attention logit| per layer (solid: offset layers)", xlabel="step", yscale="log")
+    ax[1, 3].set(title=f"tier held by auto (offset layers {sorted(offset)})", xlabel="step", ylabel="layer")
+    for a in list(ax.flat)[:-1]:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)
     env = results["environment"]
     fig.suptitle(f"training_regime: {env['device']}, {results['parameters'] / 1e6:.1f}M-param Llama, "
-                 f"{results['steps']} steps, key offset R_k={cfg['offset_rk']:g} on layers {cfg['offset_layers']}")
+                 f"{results['steps']} steps, key offset R_k={cfg['offset_rk']:g} at init on layers "
+                 f"{cfg['offset_layers']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -119,11 +119,10 @@ def test_r_k_matches_the_detector_on_sampled_steps(run):
     cfg, auto = results["config"], results["arms"]["auto"]
     assert cfg["batch"] <= probe.STATS_SEQS
     compared = 0
-    for step, (ours, theirs) in enumerate(zip(auto["r_k"], auto["detector_r_k"])):
-        if step % cfg["sample_every"]:
-            continue
-        for a, b in zip(ours, theirs):
-            assert b is not None and a == pytest.approx(b, rel=1e-3), (step, ours, theirs)
+    for sample in auto["detector"]:
+        ours = auto["r_k"][sample["step"]]
+        for a, b in zip(ours, sample["r_k"]):
+            assert b is not None and a == pytest.approx(b, rel=1e-3), (sample, ours)
             compared += 1
     assert compared >= cfg["layers"] * 2
 
