@@ -108,7 +108,7 @@ scaled_dot_product_attention.__gproj_patched__ = True
 
 #: packages whose module globals are never rebound: torch (defines the function; its internals must see the
 #: builtin) and this package (``ops/sdpa.C_SDPA`` is the original the wrapper calls)
-EXCLUDED_PACKAGES = ("torch", "gproj_patch")
+EXCLUDED_PACKAGES = frozenset(("torch", "gproj_patch"))
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ _last_report: Tuple[str, ...] = ()  # the list last logged (logged again only wh
 
 def excluded_module(module_name: str) -> bool:
     """True for a module of ``EXCLUDED_PACKAGES`` (its globals are never rebound)."""
-    return any(module_name == pkg or module_name.startswith(pkg + ".") for pkg in EXCLUDED_PACKAGES)
+    return module_name.partition(".")[0] in EXCLUDED_PACKAGES
 
 
 def _namespace(module) -> Optional[dict]:
