@@ -337,6 +337,17 @@ def test_hf_flex_attention_forward(monkeypatch):
     with pytest.raises(NotImplementedError):  # position bias: HF's own function, original flex
         fn(module, _leaf(inp.q), inp.k, inp.v, bm, position_bias=torch.zeros(1, 1, S, S, dtype=torch.bfloat16))
     assert "hf flex: position bias" in gproj_patch.stats()["fallback_reasons"]
+    # inside a compiled region (HF model compiled): the softcap is known from the arguments, not the closure
+    gproj_patch.reset_stats()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fn(module, q, k, v, bm, softcap=25.0)[0], backend="aot_eager",
+                             fullgraph=True)
+    qq, kk, vv = (_leaf(t) for t in (inp.q, inp.k, inp.v))
+    out = compiled(qq, kk, vv)
+    assert torch.equal(out, want)
+    out.backward(inp.do.transpose(1, 2))
+    _check((qq.grad, kk.grad, vv.grad), reference_backward(inp.q, inp.k, inp.v, inp.do, causal=True, softcap=25.0))
+    assert gproj_patch.stats()["fp32"] == 1
 
 
 # ---- the audit's backends ---------------------------------------------------------------------------------

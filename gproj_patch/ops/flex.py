@@ -124,7 +124,7 @@ def mask_verdict(block_mask, q: Tensor, k: Tensor) -> MaskVerdict:
     return verdict
 
 
-def unsupported_reason(q, k, v, block_mask, return_lse: bool, return_aux) -> Optional[str]:
+def unsupported_reason(q, k, v, block_mask, enable_gqa: bool, return_lse: bool, return_aux) -> Optional[str]:
     """Why this flex call keeps the original path, before its score_mod and mask are looked at."""
     subclass = [type(t).__name__ for t in (q, k, v) if type(t) not in _PLAIN]
     if subclass:
@@ -135,6 +135,8 @@ def unsupported_reason(q, k, v, block_mask, return_lse: bool, return_aux) -> Opt
         return "flex: inputs are not non-empty 4-D (B, H, S, D)"
     if q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1] or q.dtype != k.dtype:
         return "flex: broadcast batch, head counts or dtypes the backends do not take"
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        return "flex: different head counts without enable_gqa (the original decides)"
     if return_lse or (return_aux is not None and (return_aux.lse or return_aux.max_scores)):
         return "flex: LSE / max scores requested as outputs (their gradients are not the corrected backward's)"
     if block_mask is not None and tuple(block_mask.seq_lengths) != (q.shape[2], k.shape[2]):
@@ -245,7 +247,7 @@ def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_
         return compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                              kernel_options, return_aux, declared_softcap=declared_softcap, forward_fn=fwd,
                              layer=layer, cfg=cfg, passthrough=passthrough)
-    reason = unsupported_reason(query, key, value, block_mask, return_lse, return_aux)
+    reason = unsupported_reason(query, key, value, block_mask, enable_gqa, return_lse, return_aux)
     softcap = 0.0
     if reason is None:
         softcap, reason = score_mod_softcap(score_mod, declared_softcap)

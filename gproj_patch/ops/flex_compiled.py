@@ -189,7 +189,7 @@ def _compiled_reason(score_mod, block_mask, declared_softcap) -> Tuple[Optional[
 def compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
                   return_aux, *, declared_softcap: Optional[float], forward_fn, layer: Optional[str], cfg: Config,
                   passthrough):
-    reason = unsupported_reason(query, key, value, block_mask, return_lse, return_aux)
+    reason = unsupported_reason(query, key, value, block_mask, enable_gqa, return_lse, return_aux)
     mask_index = NO_MASK_INDEX
     if reason is None:
         reason, mask_index = _compiled_reason(score_mod, block_mask, declared_softcap)
