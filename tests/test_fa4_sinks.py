@@ -19,6 +19,7 @@ import torch
 
 import gproj_patch
 from gproj_patch.backends.emulation import emulated_backward
+from gproj_patch.backends.fp32_tier import fp32_backward
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.integrations import fa_records
 
@@ -228,8 +229,8 @@ def test_dsink_in_fa4s_format(monkeypatch, sink_dtype):
 
 def test_fa4_before_sink_backward_takes_the_sink_from_the_forward(monkeypatch):
     """Earlier FA4: the backward never sees the sink, but its LSE includes it. The corrected dq/dk/dv must use
-    the sink the forward was given (its record); without that record the projection targets 0 and is far off."""
-    iface, func, calls = fa4_with_sinks(monkeypatch, sink_backward=False)
+    the sink the forward was given (its record)."""
+    _iface, func, calls = fa4_with_sinks(monkeypatch, sink_backward=False)
     q, k, v, do, sink = inputs(orthogonal=True, seed=2)
     ref = oracle(q, k, v, do, sink, True)
     gproj_patch.enable(mode="gproj", targets=("flash_attn",))
@@ -239,12 +240,22 @@ def test_fa4_before_sink_backward_takes_the_sink_from_the_forward(monkeypatch):
     assert max(corrected) < BOUND, corrected
     assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 1
 
-    gproj_patch.disable()
+
+def test_fa4_before_sink_backward_without_forward_record_takes_the_original(monkeypatch):
+    """Earlier FA4, forward run before enable(): nothing says whether its LSE includes a sink, and correcting
+    without the sink would be far off (shown with the FP32 tier given no sink), so FA4's own backward runs."""
+    iface, _func, calls = fa4_with_sinks(monkeypatch, sink_backward=False)
+    q, k, v, do, sink = inputs(orthogonal=True, seed=2)
+    ref = oracle(q, k, v, do, sink, True)
     out, lse = iface._flash_attn_fwd(q, k, v, causal=True, learnable_sink=sink)  # forward not recorded
     gproj_patch.enable(mode="gproj", targets=("flash_attn",))
-    naive = iface._flash_attn_bwd(q, k, v, out, do, lse, None, True)
-    assert _rel(_bhsd(naive[0]), ref[0]) > NAIVE_FAR  # why the record's sink matters
-    assert any("no forward record" in r for r in gproj_patch.stats()["fallback_reasons"])
+    got = iface._flash_attn_bwd(q, k, v, out, do, lse, None, True)
+    assert calls["original"] == 1 and len(got) == 3
+    s = gproj_patch.stats()
+    assert s["original"] == 1 and any("learnable_sink and no forward record" in r for r in s["fallback_reasons"])
+    naive = fp32_backward(*(_bhsd(t) for t in (q, k, v, do)), causal=True, causal_align="bottom_right",
+                          project=True)
+    assert _rel(naive[0], ref[0]) > NAIVE_FAR  # why the sink must be known before correcting
 
 
 def test_sink_kernel_tier_in_the_interpreter(monkeypatch):

@@ -35,6 +35,7 @@ class ForwardRecord:
     """What a flash-attn forward leaves for its backward: the context, and the learnable sink it was given."""
     context: Context
     sink: Optional[torch.Tensor] = None  # detached (Hq,) sink logits the forward's LSE includes, or None
+    recorded: bool = True                # False: no forward was seen (context made at the backward, sink unknown)
 
 
 _lock = threading.Lock()
@@ -66,7 +67,7 @@ def remember(lse: Optional[torch.Tensor], source: str, sink: Optional[torch.Tens
 
 
 def record_for(lse: Optional[torch.Tensor], source: str) -> ForwardRecord:
-    """The record the forward of this backward filed (else a context made now, no sink, reason logged)."""
+    """The record the forward of this backward filed (else one made now, ``recorded=False``, reason logged)."""
     if isinstance(lse, torch.Tensor):
         with _lock:
             entry = _records.get(_key(lse))
@@ -74,7 +75,7 @@ def record_for(lse: Optional[torch.Tensor], source: str) -> ForwardRecord:
             return entry[1]
     q_class = telemetry.shape_class(source)
     telemetry.note_reason(NO_RECORD_REASON, q_class)
-    return ForwardRecord(context=make_context(source, layer=source))
+    return ForwardRecord(context=make_context(source, layer=source), recorded=False)
 
 
 def live_records() -> int:

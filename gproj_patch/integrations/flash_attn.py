@@ -35,7 +35,9 @@ corrected path takes the sink from the backward's ``learnable_sink`` argument, e
 (``fa_records``: the forward wrapper files the sink it was given) — a sink-including LSE is never corrected
 towards the no-sink target — and returns in the backward's own format: the fourth value, dsink, only when the
 backward was given ``learnable_sink``. A sink that the GProj tiers refuse (softcap together with a sink, a
-wrong shape or device) sends the call to the original backward with the reason counted.
+wrong shape or device) sends the call to the original backward with the reason counted, and so does an
+earlier FA4's backward whose forward left no record (it ran before ``enable()``): its LSE may include a sink
+that nothing passes on, and correcting it without the sink would be far off.
 """
 from __future__ import annotations
 
@@ -76,6 +78,9 @@ _KNOWN = {"dout", "do", "q", "k", "v", "out", "o", "softmax_lse", "lse", "dq", "
           "rng_state", "zero_tensors", "m_block_size", "n_block_size", "num_threads", "pack_gqa",
           "num_stages_Q", "num_stages_dO", "SdP_swapAB", "dKV_swapAB", "dQ_swapAB", "AtomLayoutMSdP",
           "AtomLayoutNdKV", "AtomLayoutMdQ", "V_in_regs", FA4_SINK}
+
+UNRECORDED_SINK_REASON = ("FA4 backward without learnable_sink and no forward record (the LSE may include a sink "
+                          "it cannot see): original backward")
 
 _installed: List[Tuple[str, Callable[[], None]]] = []  # (what, restore)
 
@@ -118,6 +123,14 @@ def _sink_reason(sink: Optional[torch.Tensor], q4: torch.Tensor, softcap: float)
     return None if reason is None else f"learnable_sink: {reason}: original backward"
 
 
+def _unknown_sink_reason(forward: fa_records.ForwardRecord, b: dict, forward_takes_sink: bool) -> Optional[str]:
+    """Why a backward cannot know its sink: the forward takes sinks, left no record, and the backward has no
+    ``learnable_sink`` argument (FA4 before #2706). None otherwise."""
+    if forward_takes_sink and not forward.recorded and FA4_SINK not in b:
+        return UNRECORDED_SINK_REASON
+    return None
+
+
 def _softmax_d(b: dict, q4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, varlen: bool, fake=None):
     """flash-attn's auxiliary return value (rowsum(dO∘O)); callers discard it. Shaped by the op's own fake
     kernel when it has one (FA3's shape depends on its tile sizes), else as FA2 shapes it."""
@@ -139,9 +152,10 @@ def _softmax_d(b: dict, q4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, v
 
 
 def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, returns: str = "softmax_d",
-                          fake: Optional[Callable[[], torch.Tensor]] = None):
-    """The replacement body: ``b`` holds the call's arguments by name; ``original()`` runs the saved kernel;
-    ``fake()`` (optional) builds the op's auxiliary return value with the op's own shape."""
+                          fake: Optional[Callable[[], torch.Tensor]] = None, *, forward_takes_sink: bool = False):
+    """The replacement body: ``b`` holds the call's arguments by name (every parameter of the backward, defaults
+    applied); ``original()`` runs the saved kernel; ``fake()`` (optional) builds the op's auxiliary return value
+    with the op's own shape; ``forward_takes_sink``: the library's forward accepts a learnable sink."""
     q, k, v = _arg(b, "q"), _arg(b, "k"), _arg(b, "v")
     lse = _arg(b, "softmax_lse", "lse")
     forward = fa_records.record_for(lse, source)
@@ -150,7 +164,8 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
     given_sink = _arg(b, FA4_SINK)  # FA4 ≥ #2706 passes the sink and then returns its gradient too
     sink = given_sink if given_sink is not None else forward.sink
     softcap = float(_arg(b, "softcap", default=0.0))
-    reason = _fallback_reason(b) or _sink_reason(sink, _to_bhsd(q, varlen), softcap)
+    reason = _fallback_reason(b) or _unknown_sink_reason(forward, b, forward_takes_sink) or \
+        _sink_reason(sink, _to_bhsd(q, varlen), softcap)
     if reason is not None or context.mode == "off":
         telemetry.record_backward("original", reason, telemetry.shape_class(source, q, k))
         return original()
@@ -255,12 +270,13 @@ def _patch_attr(module, name: str, source: str, backward: bool) -> Callable[[], 
     previous = getattr(module, name)
     if backward:
         signature = inspect.signature(previous)
+        takes_sink = fa_records.argument_reader(getattr(module, FA4_FWD, None), FA4_SINK) is not None
 
         def call(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), source,
-                                         returns="grads")
+                                         returns="grads", forward_takes_sink=takes_sink)
     else:
         call = fa_records.recording(previous, source, sink_of=fa_records.argument_reader(previous, FA4_SINK))
     replacement = fa_records.FunctionProxy(previous, call)
