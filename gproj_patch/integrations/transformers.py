@@ -6,7 +6,10 @@ so ``AutoModelForCausalLM.from_config(cfg, attn_implementation="gproj")`` (or ``
 works. Models on ``"sdpa"`` are covered by the SDPA hook instead (HF looks ``F.scaled_dot_product_attention`` up
 at call time). The name has no "flash" in it on purpose (Transformers 5 treats such names as hub kernels).
 
-The attention function runs SDPA's fused forward and the corrected backward (``gproj_patch.attention``), with
+Softcap (Gemma 2) and learnable sinks (``s_aux``, gpt-oss), which SDPA cannot run, take HF eager's own forward
+(bit for bit: the model module's eager softcap function; gpt-oss's sink operations, ``ops/attention_sink.py``)
+with the corrected backward (``ops/hf_eager.py``: the router with ``softcap`` / ``sink`` in the problem; the
+sink's gradient reaches ``s_aux``). Otherwise the attention function runs SDPA's fused forward and the corrected backward (``gproj_patch.attention``), with
 GQA natively (no ``repeat_kv`` copy), ``is_causal`` as HF's SDPA path sets it, and the layer named
 ``"<AttentionClass>.<layer_idx>"`` for the policy. Without a gradient it is exactly HF's "sdpa" function.
 A boolean mask that is exactly causal or causal + sliding window (HF builds those for Mistral/Qwen2/Gemma
@@ -24,7 +27,11 @@ from typing import Optional
 
 import torch
 
+from .. import telemetry
 from ..backends import compat
+from ..backends.spec import SINK_SOFTCAP_REASON
+from ..ops import attention_sink
+from ..ops import hf_eager as eager_op
 from ..ops import sdpa as sdpa_op
 
 logger = logging.getLogger("gproj_patch")
@@ -35,31 +42,93 @@ _MISSING = object()
 _pending = None  # the import hook waiting for transformers.modeling_utils, when registration is deferred
 
 
+def _layer_name(module) -> Optional[str]:
+    idx = getattr(module, "layer_idx", None)
+    return None if idx is None else f"{type(module).__name__}.{idx}"
+
+
+def _causal(module, query, attention_mask, is_causal) -> bool:
+    """HF's SDPA rule: causal when no mask was materialised and the module (or the call) says so."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    return bool(query.shape[2] > 1 and attention_mask is None and causal)
+
+
 def gproj_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
-    """HF attention function: inputs (B, H, S, D) (k/v with KV heads), returns ((B, S, H, D), None)."""
+    """HF attention function: inputs (B, H, S, D) (k/v with KV heads), returns ((B, S, H, D), None).
+    ``softcap=`` runs the model's own eager softcap forward, ``s_aux=`` (learnable sinks) HF's eager sink
+    forward (``ops/attention_sink.py``); both with the corrected backward."""
+    sink = kwargs.pop("s_aux", None)
+    if sink is None:
+        sink = kwargs.pop("sinks", None)
+    softcap = kwargs.pop("softcap", None)
+    if sink is not None and softcap is not None:
+        raise ValueError(f"attn_implementation='gproj': {SINK_SOFTCAP_REASON}")
+    if sink is not None:
+        return _sink_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, sink)
+    if softcap is not None:
+        return _softcap_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap,
+                                kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     if not needs_grad or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attn_implementation='gproj' follows SDPA and does not support `softcap`")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise ValueError("attn_implementation='gproj' follows SDPA and does not support attention sinks (s_aux)")
-    q_len = query.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(q_len > 1 and attention_mask is None and causal)
+    causal = _causal(module, query, attention_mask, is_causal)
     if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
         attention_mask = attention_mask.to(query.dtype)
     enable_gqa = key.shape[1] != query.shape[1]
-
-    layer = None
-    if getattr(module, "layer_idx", None) is not None:
-        layer = f"{type(module).__name__}.{module.layer_idx}"
     out = sdpa_op.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
-                        scale=scaling, enable_gqa=enable_gqa, layer=layer)
+                        scale=scaling, enable_gqa=enable_gqa, layer=_layer_name(module))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _scaling(module, query, scaling) -> float:
+    return float(scaling) if scaling is not None else float(getattr(module, "scaling", query.shape[-1] ** -0.5))
+
+
+def _sink_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, sink):
+    out, _ = attention_sink.sink_attention(query, key, value, attention_mask, scaling=_scaling(module, query, scaling),
+                                           sink=sink, causal=_causal(module, query, attention_mask, is_causal),
+                                           dropout=float(dropout or 0.0), layer=_layer_name(module))
+    return out, None
+
+
+def _softcap_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap, kwargs):
+    """The model module's own eager function (Gemma 2: scores/softcap → tanh → ·softcap, + mask, fp32 softmax)
+    with HF's eager mask made from the "gproj" boolean mask exactly as ``masking_utils.eager_mask`` makes it:
+    the forward is HF eager's bit for bit; the backward is routed with ``softcap`` in the problem."""
+    from . import hf_eager
+    eager = getattr(sys.modules.get(type(module).__module__), hf_eager.ATTRIBUTE, None)
+    if eager is None:
+        raise ValueError(f"attn_implementation='gproj' with `softcap`: {type(module).__module__} has no "
+                         f"{hf_eager.ATTRIBUTE} to take the softcap forward from")
+    eager = hf_eager.original_of(eager)
+    causal = _causal(module, query, attention_mask, is_causal)
+    pattern = attention_mask
+    if causal:
+        pattern = attention_sink.causal_pattern(query.shape[2], key.shape[2], query.device)
+    mask = attention_sink.additive_mask(pattern, query.dtype) if pattern is not None and \
+        pattern.dtype == torch.bool else pattern
+    args = dict(dropout=dropout, scaling=_scaling(module, query, scaling), softcap=softcap, **kwargs)
+    form = hf_eager.form_of(eager)
+    reason = None
+    if not (isinstance(form, hf_eager.EagerForm) and form.softcap == "applied" and not form.sink):
+        reason = f"the eager function of {type(module).__module__} is not a probed softcap form ({form})"
+    elif dropout and dropout > 0 and module.training:
+        reason = "dropout > 0 (passed through)"
+    if reason is not None or not eager_op.needs_correction(query, key, value):
+        if reason is not None:
+            telemetry.record_forward("original", f"hf_gproj_softcap: {reason}",
+                                     telemetry.shape_class("hf_gproj_softcap", query, key))
+        return eager(module, query, key, value, mask, **args)[0], None
+
+    def forward(q, k, v, _sink):
+        return eager(module, q, k, v, mask, **args)
+    call = eager_op.EagerCall(fn=forward, scale=args["scaling"], mask=mask, softcap=float(softcap),
+                              layer=_layer_name(module), source="hf_gproj_softcap")
+    out, _ = eager_op.run_eager(call, query, key, value)
+    return out, None
 
 
 def install() -> str:
