@@ -183,14 +183,15 @@ def test_flash_attn_records_do_not_outlive_their_backward(monkeypatch):
 
 
 def test_fa4_original_path_keeps_function_attributes(monkeypatch):
-    """FA4's own path (a learnable sink, handed back to the original) reads ``_flash_attn_bwd.compile_cache``
-    through the module global: with the proxy in place that still works (issue 8.4: AttributeError before)."""
+    """FA4's own backward (mode off: the original) reads ``_flash_attn_bwd.compile_cache`` through the module
+    global: with the proxy in place that still works (issue 8.4: AttributeError before). The sink-specific
+    version is tests/test_fa4_sinks.py."""
     iface, func = _fake_fa4(monkeypatch)
     original = iface._flash_attn_bwd
-    gproj_patch.enable(mode="gproj", targets=("flash_attn",))
+    gproj_patch.enable(mode="off", targets=("flash_attn",))
     assert iface._flash_attn_bwd is not original and iface._flash_attn_bwd.compile_cache is original.compile_cache
     q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in _inputs())
-    func.apply(q, k, v, True, torch.zeros(2)).float().sum().backward()  # learnable sink: original backward
+    func.apply(q, k, v, True, None).float().sum().backward()  # mode off: the original backward
     assert original.compile_cache == {"key": "compiled"}
     assert gproj_patch.stats()["original"] == 1
     iface._flash_attn_bwd.extra = 1  # writes reach the original too
