@@ -295,16 +295,46 @@ def test_compiled_fullgraph_corrected():
     assert gproj_patch.stats()["fp32"] == 1
 
 
-def test_compiled_closure_mask_passes_through_with_reason():
-    inp = _case("diffuse")
-    S = inp.q.shape[2]
-    bm = _bm(sliding(16), S, S)
+def test_compiled_closure_mask_checked_in_graph():
+    """A closure capturing a tensor (per-batch documents): evaluated inside the graph, classified by the backward
+    op at run time (varlen documents over the packed batch)."""
+    g = torch.Generator().manual_seed(2)
+    B, H, S, D = 2, 2, 200, 32
+    q, v, do = (torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(3))
+    k = (torch.randn(B, H, S, D, generator=g) + 40.0).bfloat16()
+    bm = _bm(documents(DOCS), S, S, B=B)
+    with torch.no_grad():
+        want = UNPATCHED(q, k, v, block_mask=bm)
     hook.install()
     torch._dynamo.reset()
     compiled = torch.compile(fam.flex_attention, backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match="backward on CPU"):  # the original compiled call: no CPU backward
-        compiled(_leaf(inp.q), inp.k, inp.v, block_mask=bm)
-    assert any("captures variables" in r for r in gproj_patch.stats()["fallback_reasons"])
+    out, grads = _grads(compiled, q, k, v, do, block_mask=bm)
+    assert torch.equal(out, want)
+    _check(grads, reference_backward(q, k, v, do, attn_mask=fam.create_mask(documents(DOCS), B, 1, S, S, device="cpu")))
+    assert gproj_patch.stats()["fp32"] == 1 and "attn_mask" not in gproj_patch.stats()["fallback_reasons"]
+
+
+def test_row_intervals_rebuild_the_dense_mask():
+    """What the compiled backward does without a dense mask: rows that are key intervals rebuild it exactly."""
+    bm = _bm(prefix_lm, 200, 200)
+    maps = flex_masks.BlockMaps(flex_masks.BlockStructure.of(bm), 200)
+    _, rows, bad = flex_masks.evaluate_chunk(prefix_lm, maps, 1, 1, torch.arange(200), 200)
+    verdict = flex_masks.classify(rows, None, 1, 200, 200)
+    assert not bool(bad) and torch.equal(verdict.dense, fam.create_mask(prefix_lm, 1, 1, 200, 200, device="cpu"))
+
+
+def test_compiled_pass_through_and_loud_failure():
+    inp = get_case("diffuse").build(seed=0, dtype=torch.bfloat16, quick=False)  # S = 512: several blocks
+    S = inp.q.shape[2]
+    hook.install()
+    torch._dynamo.reset()
+    compiled = torch.compile(fam.flex_attention, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="backward on CPU"):  # an unreadable score_mod: the original compiled call
+        compiled(_leaf(inp.q), inp.k, inp.v, score_mod=_alibi)
+    assert any("score_mod is not readable" in r for r in gproj_patch.stats()["fallback_reasons"])
+    out = compiled(_leaf(inp.q), inp.k, inp.v, block_mask=_bm(head_dependent, S, S))
+    with pytest.raises(RuntimeError, match="disagrees"):  # no silent wrong gradient
+        out.backward(inp.do)
 
 
 # ---- HF "flex_attention" ------------------------------------------------------------------------------------

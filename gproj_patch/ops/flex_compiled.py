@@ -12,18 +12,19 @@ reason is logged once per trace, the compiled calls themselves are not counted):
 
 * ``score_mod``: none, flex's identity, or a softcap declared by the caller (the HF hook). Closures made
   inside the compiled region cannot be read there, so other score_mods pass through;
-* ``block_mask``: none, or a ``mask_mod`` with no free variables (a pure function of its indices and module
-  globals). Its code is interned at trace time (``_intern_mask_mod``); the op rebuilds it at run time and
-  ``flex_masks.analyse`` checks it against the real block tensors (cached per block-tensor content). mask_mods
-  that capture variables (document ids, HF's padding closures) pass through under compile.
+* ``block_mask``: any whose (b, h, q, kv) grid has at most ``MAX_COMPILED_MASK_ELEMENTS`` elements. Its
+  ``mask_mod`` is evaluated *in the graph* at the forward (vmapped over the grid, as ``create_block_mask``
+  does; closures and captured tensors included, a transient bool grid unless Inductor fuses the reductions)
+  and reduced to per-row summaries (first/last visible key, count) plus a block-structure consistency flag,
+  which the backward op reads at run time (``flex_masks.classify``): flags, documents, or the dense mask
+  rebuilt from row intervals. A mask with no exact form there (rows that are not key intervals beyond the
+  dense budget, a block structure that disagrees with its mask_mod) raises in the backward, never a silent
+  wrong gradient; eager calls handle those (dense mask or pass-through).
 """
 from __future__ import annotations
 
-import hashlib
-import sys
-import threading
 import types
-from typing import Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,27 +34,12 @@ from ..config import Config
 from ..record import CallRecord, make_context
 from ..router import kernel_reason
 from .flex import SOURCE, problem_for, routed_backward, unsupported_reason
-from .flex_masks import NO_MASK, BlockStructure, MaskVerdict, analyse
+from .flex_masks import (INCONSISTENT, NO_MASK, BlockMaps, BlockStructure, MaskVerdict, Rows, classify,
+                         code_reads_argument, evaluate_chunk, structure_reason)
 from .sdpa_compiled import _CONTEXTS, _intern
 
 STAND_IN_REASON = "flex under torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in"
-NO_MASK_INDEX = -1
-_MASK_ARGS = 4
-_VERDICT_CACHE_SIZE = 64
-
-_lock = threading.Lock()
-_MASK_MODS: List[Tuple[types.CodeType, str]] = []
-_VERDICTS: Dict[Tuple, MaskVerdict] = {}
-
-
-@torch._dynamo.assume_constant_result
-def _intern_mask_mod(code: types.CodeType, module: str) -> int:
-    """Index of (code, module) in the mask_mod registry (runs once, at trace time)."""
-    with _lock:
-        entry = (code, module)
-        if entry not in _MASK_MODS:
-            _MASK_MODS.append(entry)
-        return _MASK_MODS.index(entry)
+MAX_COMPILED_MASK_ELEMENTS = 1 << 28  # b·h·Sq·Sk mask_mod evaluations in one compiled forward
 
 
 @torch._dynamo.assume_constant_result
@@ -63,34 +49,22 @@ def _note_trace_reason(reason: str) -> bool:
     return True
 
 
-def _mask_mod_at_runtime(index: int):
-    code, module = _MASK_MODS[index]
-    return types.FunctionType(code, vars(sys.modules[module]))
+@torch._dynamo.assume_constant_result
+def _mask_grid(code: types.CodeType, block_batch: int, block_heads: int, batch: int, heads: int) -> Tuple[int, int]:
+    """(nb, nh) as ``flex_masks.grid`` (bytecode inspection, at trace time)."""
+    nb = batch if code_reads_argument(code, 0) or block_batch > 1 else 1
+    nh = heads if code_reads_argument(code, 1) or block_heads > 1 else 1
+    return nb, nh
 
 
-def _digest(tensors) -> str:
-    h = hashlib.sha1()
-    for t in tensors:
-        if t is not None:
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-            h.update(str(tuple(t.shape)).encode())
-    return h.hexdigest()
-
-
-def _runtime_verdict(index: int, blocks: BlockStructure, q: Tensor, k: Tensor) -> MaskVerdict:
-    if index == NO_MASK_INDEX:
-        return NO_MASK
-    key = (index, tuple(q.shape[:3]), k.shape[2], blocks.block_size,
-           _digest((blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks, blocks.full_kv_indices)))
-    verdict = _VERDICTS.get(key)
-    if verdict is None:
-        verdict = analyse(_mask_mod_at_runtime(index), blocks, q.shape[0], q.shape[1], q.shape[2], k.shape[2],
-                          q.device)
-        with _lock:
-            if len(_VERDICTS) >= _VERDICT_CACHE_SIZE:
-                _VERDICTS.pop(next(iter(_VERDICTS)))
-            _VERDICTS[key] = verdict
-    return verdict
+def _mask_summary(block_mask, batch: int, heads: int, sq: int, sk: int, device):
+    """(lo, hi, cnt, violation) of the block mask, computed by traced ops (module docstring)."""
+    blocks = BlockStructure.of(block_mask)
+    nb, nh = _mask_grid(block_mask.mask_mod.__code__, blocks.kv_num_blocks.shape[0], blocks.kv_num_blocks.shape[1],
+                        batch, heads)
+    _, rows, bad = evaluate_chunk(block_mask.mask_mod, BlockMaps(blocks, sk), nb, nh,
+                                  torch.arange(sq, device=device), sk)
+    return rows.lo, rows.hi, rows.cnt, bad
 
 
 @torch.library.custom_op("gproj::flex_context", mutates_args=())
@@ -107,12 +81,13 @@ def _(layer, mode):
 
 @torch.library.custom_op("gproj::flex_bwd", mutates_args=())
 def _flex_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Tensor,
-              kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor], full_kv_num_blocks: Optional[Tensor],
-              full_kv_indices: Optional[Tensor], mask_index: int, block_q: int, block_k: int,
+              lo: Optional[Tensor], hi: Optional[Tensor], cnt: Optional[Tensor], violation: Optional[Tensor],
               scale: Optional[float], softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     context = _CONTEXTS[int(aux[0])]
-    blocks = BlockStructure(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, (block_q, block_k))
-    verdict = _runtime_verdict(mask_index, blocks, q, k)
+    verdict = NO_MASK
+    if lo is not None:
+        verdict = MaskVerdict(reason=INCONSISTENT) if bool(violation) else \
+            classify(Rows(lo, hi, cnt), None, q.shape[0], q.shape[2], k.shape[2])
     if verdict.reason is not None:
         raise RuntimeError(f"gproj flex backward: the mask checked at run time has no exact form ({verdict.reason}); "
                            "disable the patch for this call or use the eager flex_attention")
@@ -136,15 +111,14 @@ def _flex_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
 
 
 @_flex_bwd.register_fake
-def _(do, q, k, v, out, lse, aux, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, mask_index,
-      block_q, block_k, scale, softcap):
+def _(do, q, k, v, out, lse, aux, lo, hi, cnt, violation, scale, softcap):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class _CompiledFlexFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, forward_fn, mask_index,
-                softcap, layer, mode):
+    def forward(ctx, q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, forward_fn, softcap, layer,
+                mode):
         want_lse = q.device.type == "cuda"
         kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                       kernel_options=kernel_options)
@@ -156,46 +130,46 @@ class _CompiledFlexFunction(torch.autograd.Function):
             out = forward_fn(q.detach(), k.detach(), v.detach(), **kwargs)
             lse = q.new_empty((0,), dtype=torch.float32)
         aux = _flex_context(layer, mode)
-        if block_mask is None:
-            blocks, sizes = (None, None, None, None), (0, 0)
-        else:
-            blocks = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-                      block_mask.full_kv_indices)
-            sizes = (block_mask.BLOCK_SIZE[0], block_mask.BLOCK_SIZE[1])
-        ctx.save_for_backward(q, k, v, out, lse, aux, *blocks)
-        ctx.args = (mask_index, sizes[0], sizes[1], scale, softcap)
+        summary = (None,) * 4 if block_mask is None else \
+            _mask_summary(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
+        ctx.save_for_backward(q, k, v, out, lse, aux, *summary)
+        ctx.args = (scale, softcap)
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse, aux, *blocks = ctx.saved_tensors
-        dq, dk, dv = _flex_bwd(do, q, k, v, out, lse, aux, *blocks, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        q, k, v, out, lse, aux, *summary = ctx.saved_tensors
+        dq, dk, dv = _flex_bwd(do, q, k, v, out, lse, aux, *summary, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-def _compiled_reason(score_mod, block_mask, declared_softcap) -> Tuple[Optional[str], int]:
-    """(reason to pass through or None, mask index) — trace-time decisions (module docstring)."""
+def _compiled_reason(q, k, score_mod, block_mask, declared_softcap) -> Optional[str]:
+    """Why a call inside a compiled region passes through (trace-time decision; module docstring)."""
     from torch.nn.attention.flex_attention import _identity
     if declared_softcap is None and score_mod is not None and score_mod is not _identity:
-        return "flex under torch.compile: score_mod is not readable inside the compiled region", NO_MASK_INDEX
+        return "flex under torch.compile: score_mod is not readable inside the compiled region"
     if block_mask is None:
-        return None, NO_MASK_INDEX
-    code = block_mask.mask_mod.__code__
-    if code.co_freevars or code.co_argcount != _MASK_ARGS or code.co_kwonlyargcount:
-        return "flex under torch.compile: mask_mod captures variables (checked only in eager calls)", NO_MASK_INDEX
-    return None, _intern_mask_mod(code, block_mask.mask_mod.__module__)
+        return None
+    blocks = BlockStructure.of(block_mask)
+    reason = structure_reason(blocks, q.shape[0], q.shape[1])
+    if reason is not None:
+        return f"flex: {reason}"
+    nb, nh = _mask_grid(block_mask.mask_mod.__code__, blocks.kv_num_blocks.shape[0], blocks.kv_num_blocks.shape[1],
+                        q.shape[0], q.shape[1])
+    if nb * nh * q.shape[2] * k.shape[2] > MAX_COMPILED_MASK_ELEMENTS:
+        return "flex under torch.compile: BlockMask grid too large to check in the graph (eager calls check it)"
+    return None
 
 
 def compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
                   return_aux, *, declared_softcap: Optional[float], forward_fn, layer: Optional[str], cfg: Config,
                   passthrough):
     reason = unsupported_reason(query, key, value, block_mask, enable_gqa, return_lse, return_aux)
-    mask_index = NO_MASK_INDEX
     if reason is None:
-        reason, mask_index = _compiled_reason(score_mod, block_mask, declared_softcap)
+        reason = _compiled_reason(query, key, score_mod, block_mask, declared_softcap)
     if reason is not None:
         _note_trace_reason(reason)
         return passthrough()
     softcap = 0.0 if declared_softcap is None else float(declared_softcap)
     return _CompiledFlexFunction.apply(query, key, value, score_mod, block_mask, scale, bool(enable_gqa),
-                                       kernel_options, forward_fn, mask_index, softcap, layer or "", cfg.mode)
+                                       kernel_options, forward_fn, softcap, layer or "", cfg.mode)

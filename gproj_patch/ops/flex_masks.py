@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 MASK_ROW_CHUNK = 128                 # query rows evaluated at once
+INCONSISTENT = "BlockMask block structure disagrees with its mask_mod"
 MAX_MASK_EVALUATIONS = 1 << 30       # b·h·Sq·Sk mask_mod evaluations allowed for one analysis
 DENSE_MASK_BUDGET_BYTES = 256 << 20  # largest dense bool mask handed to the FP32 tier
 _CO_VARARGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
@@ -67,7 +68,11 @@ class BlockStructure:
 def reads_argument(fn: Callable, index: int) -> bool:
     """False only when provably unused: ``fn``'s own bytecode never loads its ``index``-th positional argument
     (it can then pass it nowhere). Anything unusual (no bytecode, *args, fewer arguments) counts as read."""
-    code = getattr(fn, "__code__", None)
+    return code_reads_argument(getattr(fn, "__code__", None), index)
+
+
+def code_reads_argument(code, index: int) -> bool:
+    """``reads_argument`` on a code object."""
     if code is None or code.co_flags & _CO_VARARGS or code.co_argcount <= index:
         return True
     name = code.co_varnames[index]
@@ -100,46 +105,74 @@ def _block_map(num: Tensor, idx: Tensor, n_kv_blocks: int) -> Tensor:
 
 
 @dataclass
-class _Rows:
+class Rows:
+    """Per-row summary of a boolean mask (nb, nh, Sq, Sk): every row is exactly the interval [lo, hi] when
+    ``cnt == hi - lo + 1`` (``contiguous``)."""
     lo: Tensor   # (nb, nh, Sq) first visible key, Sk where none
     hi: Tensor   # last visible key, -1 where none
     cnt: Tensor  # number of visible keys
 
+    @property
+    def contiguous(self) -> bool:
+        return bool(((self.cnt == 0) | (self.cnt == self.hi - self.lo + 1)).all())
+
+    def dense(self, sk: int) -> Tensor:
+        """The mask these rows stand for when ``contiguous``: (nb, nh, Sq, Sk) bool."""
+        j = torch.arange(sk, device=self.lo.device)
+        return (j >= self.lo[..., None]) & (j <= self.hi[..., None])
+
+
+class BlockMaps:
+    """Block-level maps of a ``BlockStructure``: listed (partial or full) and full blocks, (B', H', nQb, nKb)."""
+
+    def __init__(self, blocks: BlockStructure, sk: int):
+        self.bq, self.bk = blocks.block_size
+        n_kv_blocks = -(-sk // self.bk)
+        full = None if blocks.full_kv_num_blocks is None else \
+            _block_map(blocks.full_kv_num_blocks, blocks.full_kv_indices, n_kv_blocks)
+        listed = _block_map(blocks.kv_num_blocks, blocks.kv_indices, n_kv_blocks)
+        self.listed = listed if full is None else listed | full
+        self.full = torch.zeros_like(listed) if full is None else full
+
+    def violation(self, m: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+        """0-d bool: the chunk ``m`` (nb, nh, len(rows), len(cols)) has a True outside the listed blocks or a
+        False inside a full block (nb, nh broadcast against B', H' of the structure)."""
+        nb, nh = m.shape[:2]
+        qb, kb = (rows // self.bq)[:, None], (cols // self.bk)[None, :]
+        lst = self.listed.expand(nb, nh, *self.listed.shape[2:])[:, :, qb, kb]
+        ful = self.full.expand(nb, nh, *self.full.shape[2:])[:, :, qb, kb]
+        return (m & ~lst).any() | (ful & ~m).any()
+
+
+def evaluate_chunk(mask_mod: Callable, maps: BlockMaps, nb: int, nh: int, rows: Tensor, sk: int):
+    """(mask chunk (nb, nh, len(rows), Sk) bool, its Rows, violation 0-d bool): traceable (no host syncs)."""
+    device = rows.device
+    cols = torch.arange(sk, device=device)
+    m = _vmapped(mask_mod)(torch.arange(nb, device=device), torch.arange(nh, device=device), rows, cols)
+    m = m.to(torch.bool).expand(nb, nh, rows.numel(), sk)
+    c = m.sum(-1)
+    lo = torch.where(c > 0, m.to(torch.uint8).argmax(-1), sk)
+    hi = torch.where(c > 0, sk - 1 - m.flip(-1).to(torch.uint8).argmax(-1), -1)
+    return m, Rows(lo, hi, c), maps.violation(m, rows, cols)
+
 
 def _evaluate(mask_mod, blocks: BlockStructure, nb: int, nh: int, sq: int, sk: int, device,
-              keep_dense: bool) -> Tuple[Optional[_Rows], Optional[Tensor], Optional[str]]:
-    """Row summaries (and the dense mask when asked) of mask_mod on the (nb, nh, Sq, Sk) grid, or a reason."""
-    bq, bk = blocks.block_size
-    n_kv_blocks = -(-sk // bk)
-    listed = _block_map(blocks.kv_num_blocks, blocks.kv_indices, n_kv_blocks)
-    full = torch.zeros_like(listed) if blocks.full_kv_num_blocks is None else \
-        _block_map(blocks.full_kv_num_blocks, blocks.full_kv_indices, n_kv_blocks)
-    listed = listed | full
-    fn = _vmapped(mask_mod)
-    bidx, hidx = torch.arange(nb, device=device), torch.arange(nh, device=device)
-    kidx = torch.arange(sk, device=device)
-    kblk = kidx // bk
+              keep_dense: bool) -> Tuple[Optional[Rows], Optional[Tensor], Optional[str]]:
+    """Row summaries (and the dense mask when asked) of mask_mod on the (nb, nh, Sq, Sk) grid in row chunks,
+    or a reason."""
+    maps = BlockMaps(blocks, sk)
     lo = torch.empty(nb, nh, sq, dtype=torch.long, device=device)
     hi, cnt = torch.empty_like(lo), torch.empty_like(lo)
     dense = torch.empty(nb, nh, sq, sk, dtype=torch.bool, device=device) if keep_dense else None
-    sel_b = bidx if listed.shape[0] > 1 else torch.zeros_like(bidx)
-    sel_h = hidx if listed.shape[1] > 1 else torch.zeros_like(hidx)
     for r0 in range(0, sq, MASK_ROW_CHUNK):
         r1 = min(sq, r0 + MASK_ROW_CHUNK)
-        rows = torch.arange(r0, r1, device=device)
-        m = fn(bidx, hidx, rows, kidx).to(torch.bool).expand(nb, nh, r1 - r0, sk)
-        blk = (rows // bq)[:, None], kblk[None, :]
-        lst = listed[sel_b][:, sel_h][:, :, blk[0], blk[1]]
-        ful = full[sel_b][:, sel_h][:, :, blk[0], blk[1]]
-        if bool((m & ~lst).any()) or bool((ful & ~m).any()):
-            return None, None, "BlockMask block structure disagrees with its mask_mod"
-        c = m.sum(-1)
-        cnt[:, :, r0:r1] = c
-        lo[:, :, r0:r1] = torch.where(c > 0, m.int().argmax(-1), sk)
-        hi[:, :, r0:r1] = torch.where(c > 0, sk - 1 - m.flip(-1).int().argmax(-1), -1)
+        m, rows, bad = evaluate_chunk(mask_mod, maps, nb, nh, torch.arange(r0, r1, device=device), sk)
+        if bool(bad):
+            return None, None, INCONSISTENT
+        lo[:, :, r0:r1], hi[:, :, r0:r1], cnt[:, :, r0:r1] = rows.lo, rows.hi, rows.cnt
         if dense is not None:
             dense[:, :, r0:r1] = m
-    return _Rows(lo, hi, cnt), dense, None
+    return Rows(lo, hi, cnt), dense, None
 
 
 def _flag_rows(sq: int, sk: int, shift: int, left: int, right: int, device) -> Tuple[Tensor, Tensor]:
@@ -191,7 +224,7 @@ def _documents(lo: Tensor, hi: Tensor, cnt: Tensor, s: int) -> Optional[Tuple[li
     return None
 
 
-def _as_documents(rows: _Rows, batch: int, s: int) -> Optional[MaskVerdict]:
+def _as_documents(rows: Rows, batch: int, s: int) -> Optional[MaskVerdict]:
     """Documents in every batch element (heads alike), as varlen offsets over the packed batch."""
     offsets, causal_kinds, longest = [], set(), 0
     for b in range(batch):
@@ -209,11 +242,50 @@ def _as_documents(rows: _Rows, batch: int, s: int) -> Optional[MaskVerdict]:
     return MaskVerdict(causal=causal_kinds.pop(), cu_seqlens=cu, max_seqlen=longest)
 
 
+def grid(mask_mod: Callable, blocks: BlockStructure, batch: int, heads: int) -> Tuple[int, int]:
+    """(nb, nh): the (b, h) grid to evaluate — 1 where mask_mod provably ignores that index and the block
+    structure does not vary along it."""
+    code = getattr(mask_mod, "__code__", None)
+    nb = batch if code_reads_argument(code, 0) or blocks.kv_num_blocks.shape[0] > 1 else 1
+    nh = heads if code_reads_argument(code, 1) or blocks.kv_num_blocks.shape[1] > 1 else 1
+    return nb, nh
+
+
+def structure_reason(blocks: BlockStructure, batch: int, heads: int) -> Optional[str]:
+    b, h = blocks.kv_num_blocks.shape[:2]
+    if b not in (1, batch) or h not in (1, heads):
+        return f"BlockMask of batch/heads ({b}, {h}) for a call with ({batch}, {heads})"
+    return None
+
+
+def classify(rows: Rows, dense: Optional[Tensor], batch: int, sq: int, sk: int) -> MaskVerdict:
+    """The exact form of a mask from its row summaries: flags, documents, else the dense mask (given, or
+    rebuilt from the rows when they are intervals and it fits ``DENSE_MASK_BUDGET_BYTES``), else a reason."""
+    contiguous = rows.contiguous
+    if contiguous and bool((rows.lo == rows.lo[:, :1]).all() and (rows.hi == rows.hi[:, :1]).all()):
+        if bool((rows.lo == rows.lo[:1]).all() and (rows.hi == rows.hi[:1]).all()):
+            flags = _as_flags(rows.lo[0, 0], rows.hi[0, 0], rows.cnt[0, 0], sq, sk)
+            if flags is not None:
+                return flags
+        if sq == sk:
+            docs = _as_documents(rows, batch, sq)
+            if docs is not None:
+                return docs
+    if dense is None and contiguous and rows.lo.numel() * sk <= DENSE_MASK_BUDGET_BYTES:
+        dense = rows.dense(sk)
+    if dense is not None:
+        return MaskVerdict(dense=dense)
+    return MaskVerdict(reason=f"BlockMask is no flag/document pattern and its dense mask exceeds "
+                              f"{DENSE_MASK_BUDGET_BYTES >> 20} MiB or has rows that are not key intervals")
+
+
 def analyse(block_mask_mod: Callable, blocks: BlockStructure, batch: int, heads: int, sq: int, sk: int,
             device) -> MaskVerdict:
     """The exact form of one flex mask for a call with (batch, heads) query shape (module docstring)."""
-    nb = batch if reads_argument(block_mask_mod, 0) or blocks.kv_num_blocks.shape[0] > 1 else 1
-    nh = heads if reads_argument(block_mask_mod, 1) or blocks.kv_num_blocks.shape[1] > 1 else 1
+    reason = structure_reason(blocks, batch, heads)
+    if reason is not None:
+        return MaskVerdict(reason=reason)
+    nb, nh = grid(block_mask_mod, blocks, batch, heads)
     if nb * nh * sq * sk > MAX_MASK_EVALUATIONS:
         return MaskVerdict(reason=f"BlockMask too large to verify ({nb}x{nh}x{sq}x{sk} mask_mod evaluations)")
     keep_dense = nb * nh * sq * sk <= DENSE_MASK_BUDGET_BYTES
@@ -223,18 +295,4 @@ def analyse(block_mask_mod: Callable, blocks: BlockStructure, batch: int, heads:
         return MaskVerdict(reason=f"mask_mod could not be evaluated densely ({type(exc).__name__})")
     if reason is not None:
         return MaskVerdict(reason=reason)
-    contiguous = bool(((rows.cnt == 0) | (rows.cnt == rows.hi - rows.lo + 1)).all())
-    if contiguous and bool((rows.lo == rows.lo[:, :1]).all() and (rows.hi == rows.hi[:, :1]).all()):
-        same_b = bool((rows.lo == rows.lo[:1]).all() and (rows.hi == rows.hi[:1]).all())
-        if same_b:
-            flags = _as_flags(rows.lo[0, 0], rows.hi[0, 0], rows.cnt[0, 0], sq, sk)
-            if flags is not None:
-                return flags
-        if sq == sk:
-            docs = _as_documents(rows, batch, sq)
-            if docs is not None:
-                return docs
-    if dense is not None:
-        return MaskVerdict(dense=dense)
-    return MaskVerdict(reason=f"BlockMask is no flag/document pattern and its dense mask exceeds "
-                              f"{DENSE_MASK_BUDGET_BYTES >> 20} MiB")
+    return classify(rows, dense, batch, sq, sk)
