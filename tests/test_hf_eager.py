@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -125,6 +127,28 @@ def test_module_imported_later_is_wrapped():
     assert module.eager_attention_forward is hf_eager.original_of(wrapped)
 
 
+def test_install_before_transformers_is_imported():
+    """A fresh process: nothing of Transformers is imported by install(); the first model class imported
+    afterwards (through HF's lazy top-level module) runs the wrapped function."""
+    code = "\n".join([
+        "import sys",
+        "from gproj_patch import import_hooks",
+        "from gproj_patch.integrations import hf_eager",
+        "assert hf_eager.install() == 'installed'",
+        "assert not any(n.startswith('transformers') for n in sys.modules), 'install imported transformers'",
+        "assert 'transformers.modeling_utils' in import_hooks.pending()",
+        "from transformers import LlamaForCausalLM",
+        "m = sys.modules['transformers.models.llama.modeling_llama']",
+        "assert hasattr(m.eager_attention_forward, '__gproj_original__')",
+        "hf_eager.uninstall()",
+        "assert not hasattr(m.eager_attention_forward, '__gproj_original__')",
+        "assert not any(n.startswith('transformers') for n in import_hooks.pending())",
+    ])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_probed_forms():
     assert hf_eager.form_of(unpatched(modeling_llama.eager_attention_forward)) == \
         hf_eager.EagerForm(gqa=True, sink=False, softcap="ignored")
@@ -234,9 +258,11 @@ def test_pass_through_reasons():
     t5 = _Attention(kv_heads=H)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     modeling_t5.eager_attention_forward(t5, q, kk, vv, mask, scaling=D ** -0.5, position_bias=bias)
+    modeling_llama.eager_attention_forward(_Attention(), q, k, v, causal(), scaling=D ** -0.5)  # adds 0/1
     reasons = gproj_patch.stats()["fallback_reasons"]
     assert any("dropout" in r for r in reasons) and any("position_bias" in r for r in reasons)
-    assert gproj_patch.stats()["forward"] == {"original": 2}
+    assert any("boolean attention_mask" in r for r in reasons)
+    assert gproj_patch.stats()["forward"] == {"original": 3}
 
 
 def test_weights_gradient_takes_the_original_backward_bit_for_bit():

@@ -117,7 +117,7 @@ def _softcap_forward(module, query, key, value, attention_mask, dropout, scaling
         reason = f"the eager function of {type(module).__module__} is not a probed softcap form ({form})"
     elif dropout and dropout > 0 and module.training:
         reason = "dropout > 0 (passed through)"
-    if reason is not None or not eager_op.needs_correction(query, key, value):
+    if reason is not None or torch.compiler.is_compiling() or not eager_op.needs_correction(query, key, value):
         if reason is not None:
             telemetry.record_forward("original", f"hf_gproj_softcap: {reason}",
                                      telemetry.shape_class("hf_gproj_softcap", query, key))

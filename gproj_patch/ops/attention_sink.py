@@ -11,7 +11,8 @@ masked puts all its weight on the sink (output 0), which is what the backends' s
 
 Backward: ``ops/hf_eager.run_eager`` with the sink — the router with ``Problem.sink``, the sink's gradient
 returned to ``s_aux`` (a Parameter). Dropout > 0 keeps this forward under plain autograd (uncorrected, reason
-counted), as the other paths pass dropout through.
+counted), as the other paths pass dropout through; so does a call traced by ``torch.compile`` (not counted: no
+side effects inside a traced graph).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def sink_attention(query: Tensor, key: Tensor, value: Tensor, pattern: Optional[
         mask = additive_mask(causal_pattern(query.shape[2], key.shape[2], query.device), query.dtype)
     else:
         mask = pattern if pattern is None or pattern.dtype != torch.bool else additive_mask(pattern, query.dtype)
-    if not hf_eager.needs_correction(query, key, value, sink):
+    if torch.compiler.is_compiling() or not hf_eager.needs_correction(query, key, value, sink):
         return sink_attention_forward(query, key, value, mask, scaling=scaling, sink=sink, dropout=dropout,
                                       training=dropout > 0)
     reason = hf_eager.mask_unsupported_reason(pattern, query.shape[2], key.shape[2])

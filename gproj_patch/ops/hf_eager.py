@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .. import telemetry
 from ..backends.spec import LOW_PRECISION
+from ..layer_context import backward_ran
 from ..record import CallRecord, Problem, make_context
 from ..router import BackwardTensors, run_backward
 from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
@@ -190,6 +191,7 @@ class _EagerFunction(torch.autograd.Function):
         q, k, v, sink = ctx.saved_tensors
         call, record = ctx.call, ctx.record
         if d_weights is not None:
+            backward_ran()
             grads = _recompute_original(call, q, k, v, sink, d_out, d_weights)
             telemetry.record_backward("original", WEIGHTS_GRAD_REASON, telemetry.shape_class(call.source, q, k))
         elif d_out is None:
