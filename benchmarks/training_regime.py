@@ -116,7 +116,8 @@ class Trainer:
         self.windows = data.train_windows(steps=cfg.max_steps + 1, batch=cfg.batch, seq=cfg.seq,
                                           n_tokens=len(self.corpus.train), seed=cfg.seed)
         held = data.heldout_windows(count=cfg.eval_batches * cfg.batch, seq=cfg.seq, n_tokens=len(self.corpus.heldout))
-        self.heldout = data.gather(self.corpus.heldout, held, cfg.seq).view(cfg.eval_batches, cfg.batch, cfg.seq)
+        self.heldout = data.gather(self.corpus.heldout, held, cfg.seq).view(cfg.eval_batches, cfg.batch,
+                                                                            cfg.seq).to(self.device)
         self.train_text = self.corpus.train.to(self.device)
         base = build_model(cfg, self.device)
         self.offset = induce_key_offset(base, cfg, self.batch(0))
@@ -210,7 +211,7 @@ class Trainer:
 
     def evaluate(self, arm: Arm, step: int) -> None:
         with torch.no_grad():
-            losses = [lm_loss(arm.model, ids.to(self.device), self.device)[0] for ids in self.heldout]
+            losses = [lm_loss(arm.model, ids, self.device)[0] for ids in self.heldout]
         arm.curves["heldout_step"].append(step)
         arm.curves["heldout_loss"].append(torch.stack(losses).mean().item())
 
@@ -294,8 +295,12 @@ def main(argv=None) -> dict:
     cfg, args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "training_regime.log")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True,
-                        handlers=[logging.FileHandler(log_path, mode="w"), logging.StreamHandler(sys.stderr)])
+    handlers = [logging.FileHandler(log_path, mode="w"), logging.StreamHandler(sys.stderr)]
+    for h in handlers:  # this script's logger only: the root logger (and a test runner's handlers) stay as they are
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     t0 = time.time()
     threads = torch.get_num_threads()
     if cfg.device == "cpu":
@@ -304,6 +309,9 @@ def main(argv=None) -> dict:
         results = _run(cfg, args, log_path, t0)
     finally:
         torch.set_num_threads(threads)
+        for h in handlers:
+            log.removeHandler(h)
+            h.close()
     return results
 
 
