@@ -35,7 +35,7 @@ from ..record import CallRecord, make_context
 from ..router import kernel_reason
 from .flex import SOURCE, problem_for, routed_backward, unsupported_reason
 from .flex_masks import (INCONSISTENT, NO_MASK, BlockMaps, BlockStructure, MaskVerdict, Rows, classify,
-                         code_reads_argument, evaluate_chunk, structure_reason)
+                         evaluate_chunk, grid, structure_reason)
 from .sdpa_compiled import _CONTEXTS, _intern
 
 STAND_IN_REASON = "flex under torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in"
@@ -51,10 +51,8 @@ def _note_trace_reason(reason: str) -> bool:
 
 @torch._dynamo.assume_constant_result
 def _mask_grid(code: types.CodeType, block_batch: int, block_heads: int, batch: int, heads: int) -> Tuple[int, int]:
-    """(nb, nh) as ``flex_masks.grid`` (bytecode inspection, at trace time)."""
-    nb = batch if code_reads_argument(code, 0) or block_batch > 1 else 1
-    nh = heads if code_reads_argument(code, 1) or block_heads > 1 else 1
-    return nb, nh
+    """``flex_masks.grid`` at trace time (bytecode inspection is not traceable)."""
+    return grid(code, block_batch, block_heads, batch, heads)
 
 
 def _mask_summary(block_mask, batch: int, heads: int, sq: int, sk: int, device):

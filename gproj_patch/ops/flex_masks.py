@@ -242,12 +242,11 @@ def _as_documents(rows: Rows, batch: int, s: int) -> Optional[MaskVerdict]:
     return MaskVerdict(causal=causal_kinds.pop(), cu_seqlens=cu, max_seqlen=longest)
 
 
-def grid(mask_mod: Callable, blocks: BlockStructure, batch: int, heads: int) -> Tuple[int, int]:
-    """(nb, nh): the (b, h) grid to evaluate — 1 where mask_mod provably ignores that index and the block
-    structure does not vary along it."""
-    code = getattr(mask_mod, "__code__", None)
-    nb = batch if code_reads_argument(code, 0) or blocks.kv_num_blocks.shape[0] > 1 else 1
-    nh = heads if code_reads_argument(code, 1) or blocks.kv_num_blocks.shape[1] > 1 else 1
+def grid(code, block_batch: int, block_heads: int, batch: int, heads: int) -> Tuple[int, int]:
+    """(nb, nh): the (b, h) grid to evaluate for a mask_mod with this code object — 1 where it provably ignores
+    that index and the block structure (of batch/heads ``block_batch``, ``block_heads``) does not vary along it."""
+    nb = batch if code_reads_argument(code, 0) or block_batch > 1 else 1
+    nh = heads if code_reads_argument(code, 1) or block_heads > 1 else 1
     return nb, nh
 
 
@@ -285,7 +284,7 @@ def analyse(block_mask_mod: Callable, blocks: BlockStructure, batch: int, heads:
     reason = structure_reason(blocks, batch, heads)
     if reason is not None:
         return MaskVerdict(reason=reason)
-    nb, nh = grid(block_mask_mod, blocks, batch, heads)
+    nb, nh = grid(getattr(block_mask_mod, "__code__", None), *blocks.kv_num_blocks.shape[:2], batch, heads)
     if nb * nh * sq * sk > MAX_MASK_EVALUATIONS:
         return MaskVerdict(reason=f"BlockMask too large to verify ({nb}x{nh}x{sq}x{sk} mask_mod evaluations)")
     keep_dense = nb * nh * sq * sk <= DENSE_MASK_BUDGET_BYTES
