@@ -266,6 +266,21 @@ def test_enable_mode_off_and_fp32_inputs_untouched():
     assert gproj_patch.stats()["forward"] == {}
 
 
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_modes_through_enable(mode):
+    inp = _case("key_offset_128")
+    gproj_patch.enable(mode=mode, targets=("sdpa",))
+    hook.install()
+    if mode == "off":  # hooks installed, everything passes through: the original (no CPU backward)
+        with pytest.raises(NotImplementedError):
+            fam.flex_attention(_leaf(inp.q), inp.k, inp.v)
+        return
+    _, grads = _grads(fam.flex_attention, inp.q, inp.k, inp.v, inp.do)
+    _check(grads, reference_backward(inp.q, inp.k, inp.v, inp.do))
+    st = gproj_patch.stats()
+    assert st["fp32"] + st["gproj"] == 1 and st["original"] == 0 and st["layers"], st
+
+
 def test_memory_flat():
     inp = _case("key_offset_128")
     S = inp.q.shape[2]
@@ -459,3 +474,19 @@ def test_gpu_memory_flat_compiled():
         compiled(q, k, v, block_mask=bm).backward(inp.do)
         q.grad = k.grad = v.grad = None
     _flat(step)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_memory_flat_eager():
+    inp = get_case("key_offset_128").build(seed=0, dtype=torch.bfloat16, device="cuda", quick=True)
+    S = inp.q.shape[2]
+    bm = _bm(sliding(37), S, S, device="cuda")
+    hook.install()
+    q, k, v = (_leaf(t) for t in (inp.q, inp.k, inp.v))
+
+    def step():
+        fam.flex_attention(q, k, v, block_mask=bm).backward(inp.do)
+        q.grad = k.grad = v.grad = None
+    _flat(step)
+    assert gproj_patch.stats()["gproj"] == 6

@@ -17,8 +17,9 @@ attention backward's), tensor subclasses, nested tensors. PyTorch's flex has no 
 CPU call gets the FP32 tier (the original backward is unreachable there: ``original`` is None).
 
 Forward bits. On CUDA the original runs with grad on detached aliases (the same graph and kernel as the
-unpatched call); the inner graph is dropped at once except in ``auto``/``audit``, where its backward *is* the
-original. On CPU (no flex backward) it runs without grad.
+unpatched call; its saved tensors kept by the same detaching hooks as ``sdpa.run_original_with_lse``, so an
+enclosing activation checkpoint never packs them); the inner graph is dropped at once except in
+``auto``/``audit``, where its backward *is* the original. On CPU (no flex backward) it runs without grad.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ..config import Config
 from ..record import CallRecord, Problem, make_context
 from ..router import BackwardTensors, run_backward
 from .flex_masks import NO_MASK, BlockStructure, MaskVerdict, analyse
+from .sdpa import _detach_pack, _identity_unpack
 
 SOURCE = "flex"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -189,7 +191,8 @@ def run_forward(call: FlexCall, q, k, v, keep_graph: bool):
     kwargs = dict(score_mod=call.score_mod, block_mask=call.block_mask, scale=call.scale,
                   enable_gqa=call.enable_gqa, kernel_options=call.kernel_options,
                   return_aux=AuxRequest(lse=True) if want_lse else None)
-    with torch.enable_grad() if want_lse else torch.no_grad():
+    grad_mode = torch.enable_grad() if want_lse else torch.no_grad()
+    with grad_mode, torch.autograd.graph.saved_tensors_hooks(_detach_pack, _identity_unpack):
         aliases = tuple(t.detach().requires_grad_(want_lse) for t in (q, k, v))
         res = call.forward_fn(*aliases, **kwargs)
     inner, lse = (res[0], res[1].lse) if want_lse else (res, None)
