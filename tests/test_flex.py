@@ -97,6 +97,16 @@ def _grads(fn, q, k, v, do, **kw):
     return out.detach(), (qq.grad, kk.grad, vv.grad)
 
 
+def _step(fn, inp, bm):
+    """One forward + backward of ``fn`` on the case's inputs (leaves reused, gradients dropped)."""
+    q, k, v = (_leaf(t) for t in (inp.q, inp.k, inp.v))
+
+    def step():
+        fn(q, k, v, block_mask=bm).backward(inp.do)
+        q.grad = k.grad = v.grad = None
+    return step
+
+
 def _check(grads, ref):
     errs = [_rel(g, r) for g, r in zip(grads, ref[:3])]
     assert max(errs) < TARGET, errs
@@ -286,12 +296,7 @@ def test_memory_flat():
     S = inp.q.shape[2]
     bm = _bm(causal, S, S)
     hook.install()
-    q, k, v = (_leaf(t) for t in (inp.q, inp.k, inp.v))
-
-    def step():
-        fam.flex_attention(q, k, v, block_mask=bm).backward(inp.do)
-        q.grad = k.grad = v.grad = None
-    _flat(step)
+    _flat(_step(fam.flex_attention, inp, bm))
 
 
 # ---- torch.compile (aot_eager on CPU) ---------------------------------------------------------------------
@@ -468,12 +473,7 @@ def test_gpu_memory_flat_compiled():
     hook.install()
     torch._dynamo.reset()
     compiled = torch.compile(fam.flex_attention, dynamic=False, fullgraph=True)
-    q, k, v = (_leaf(t) for t in (inp.q, inp.k, inp.v))
-
-    def step():
-        compiled(q, k, v, block_mask=bm).backward(inp.do)
-        q.grad = k.grad = v.grad = None
-    _flat(step)
+    _flat(_step(compiled, inp, bm))
 
 
 @pytest.mark.gpu
@@ -483,10 +483,5 @@ def test_gpu_memory_flat_eager():
     S = inp.q.shape[2]
     bm = _bm(sliding(37), S, S, device="cuda")
     hook.install()
-    q, k, v = (_leaf(t) for t in (inp.q, inp.k, inp.v))
-
-    def step():
-        fam.flex_attention(q, k, v, block_mask=bm).backward(inp.do)
-        q.grad = k.grad = v.grad = None
-    _flat(step)
+    _flat(_step(fam.flex_attention, inp, bm))
     assert gproj_patch.stats()["gproj"] == 6
