@@ -149,8 +149,11 @@ def packed_call(pad: PackedPadding, problem, *, do: Tensor, q: Tensor, k: Tensor
     if lse is not None:
         from ..backends.spec import normalize_lse
         packed_lse = pad.pack(normalize_lse(lse, *q.shape[:3]).unsqueeze(-1)).squeeze(-1)
-    tensors = BackwardTensors(pad.pack(do), pad.pack(q), pad.pack(k), pad.pack(v),
-                              None if out is None else pad.pack(out), packed_lse, dead_rows=pad.dead_rows)
+    packed_out = None
+    if out is not None:  # a fused forward may leave NaN on fully masked (dead) rows: D = dO·O must stay 0 there
+        packed_out = pad.pack(out).masked_fill(pad.dead_rows[:, None, :, None], 0)
+    tensors = BackwardTensors(pad.pack(do), pad.pack(q), pad.pack(k), pad.pack(v), packed_out, packed_lse,
+                              dead_rows=pad.dead_rows)
     packed = Problem(scale=problem.scale, causal=True, causal_align="top_left", window=pad.window,
                      softcap=problem.softcap, cu_seqlens_q=pad.cu_seqlens, cu_seqlens_k=pad.cu_seqlens,
                      max_seqlen_q=pad.max_seqlen, max_seqlen_k=pad.max_seqlen, sink=problem.sink)
