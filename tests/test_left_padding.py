@@ -71,8 +71,9 @@ def route(q, k, v, do, sink, mask, *, mode="gproj", tier="auto", ignore_pads=Fal
         pad = PackedPadding(cu_seqlens=whole, max_seqlen=S, window=pad.window, dead_rows=pad.dead_rows, batch=B,
                             seq=S)
     o, lse = reference_forward(q, k, v, attn_mask=mask, sink=sink)
+    o = o.to(q.dtype).masked_fill(~mask.any(-1, keepdim=True), float("nan"))  # as a fused forward may leave it
     problem = record.Problem(scale=D ** -0.5, sink=sink)
-    tensors, packed = packed_call(pad, problem, do=do, q=q, k=k, v=v, out=o.to(q.dtype), lse=lse.float())
+    tensors, packed = packed_call(pad, problem, do=do, q=q, k=k, v=v, out=o, lse=lse.float())
     grads = router.run_backward(_record(mode, tier, packed), tensors)
     return unpack_grads(pad, grads)
 
