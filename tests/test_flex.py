@@ -400,6 +400,25 @@ def test_hf_flex_attention_forward(monkeypatch):
     assert gproj_patch.stats()["fp32"] == 1
 
 
+def test_hf_score_mod_closure_recognised():
+    """HF's own score_mod closure (its code object, with cells as HF fills them) is read exactly."""
+    import types
+    hf_flex = pytest.importorskip("transformers.integrations.flex_attention")
+    code = flex_op._hf_score_mod_code()
+    assert code is not None and set(code.co_freevars) == {"softcap", "score_mask", "position_bias"}
+
+    def closure(**cells):
+        return types.FunctionType(code, vars(hf_flex), "score_mod", None,
+                                  tuple(types.CellType(cells.get(n)) for n in code.co_freevars))
+    assert flex_op.score_mod_softcap(closure(softcap=25.0)) == (25.0, None)
+    assert flex_op.score_mod_softcap(closure()) == (0.0, None)
+    assert flex_op.score_mod_softcap(closure(score_mask=torch.zeros(1, 1, 4, 4)))[1] is not None
+    inp = _case("key_offset_128")
+    hook.install()
+    _, grads = _grads(fam.flex_attention, inp.q, inp.k, inp.v, inp.do, score_mod=closure(softcap=25.0))
+    _check(grads, reference_backward(inp.q, inp.k, inp.v, inp.do, softcap=25.0))
+
+
 # ---- the audit's backends ---------------------------------------------------------------------------------
 def test_audit_backends_on_cpu():
     from gproj_patch.cases import get_case as case_named

@@ -145,6 +145,11 @@ def _register_hf() -> None:
     if _hf_saved is _MISSING:
         return  # this Transformers has no flex implementation
     mapping[HF_NAME] = hf_flex_attention_forward
+    hf_flex = sys.modules.get("transformers.integrations.flex_attention")
+    if getattr(hf_flex, "flex_attention", None) is flex_attention:
+        # Transformers imported after install() bound this wrapper; HF's own function (the pass-through of the
+        # hook above, and the forward it runs) must see the original, as it would have without the patch
+        hf_flex.flex_attention = flex_op.original_flex()
 
 
 def uninstall() -> None:
