@@ -115,7 +115,7 @@ def _check(grads, ref):
 
 # ---- install / uninstall ---------------------------------------------------------------------------------
 def test_install_uninstall_restore_by_identity():
-    transformers = pytest.importorskip("transformers")  # noqa: F841
+    pytest.importorskip("transformers")
     from transformers.modeling_utils import AttentionInterface
     hf_before = AttentionInterface._global_mapping["flex_attention"]
     assert hook.install() == "installed" and hook.install() == "installed"
@@ -455,6 +455,28 @@ def test_gpu_compiled_flex_corrected(case, mask):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_compiled_documents():
+    """Document masking as in packed pretraining: a closure over per-batch document ids, compiled; the backward
+    runs the kernel as varlen over the packed batch."""
+    g = torch.Generator().manual_seed(3)
+    B, H, S, D = 2, 4, 512, 64
+    q, v, do = (torch.randn(B, H, S, D, generator=g).bfloat16().cuda() for _ in range(3))
+    k = (torch.randn(B, H, S, D, generator=g) + 128.0).bfloat16().cuda()
+    doc_ids = torch.tensor([[0] * 200 + [1] * 112 + [2] * 200, [0] * 64 + [1] * 448]).cuda()
+    bm = _bm(documents(doc_ids), S, S, B=B, device="cuda")
+    ref = reference_backward(q, k, v, do, attn_mask=fam.create_mask(documents(doc_ids), B, 1, S, S, device="cuda"))
+    torch._dynamo.reset()
+    want, base = _grads(torch.compile(UNPATCHED, dynamic=False), q, k, v, do, block_mask=bm)
+    hook.install()
+    torch._dynamo.reset()
+    out, grads = _grads(torch.compile(fam.flex_attention, dynamic=False, fullgraph=True), q, k, v, do, block_mask=bm)
+    assert torch.equal(out, want)
+    _check(grads, ref)
+    assert _rel(base[0], ref[0]) > 0.05 and gproj_patch.stats()["gproj"] == 1
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_witness_and_eager():
     inp = get_case("witness").build(seed=0, dtype=torch.bfloat16, device="cuda")
     hook.install()
@@ -466,6 +488,9 @@ def test_gpu_witness_and_eager():
 @pytest.mark.gpu
 @gpu
 def test_gpu_hf_model_flex():
+    """A Llama on HF's "flex_attention": eager model (HF compiles flex itself) and the whole model compiled (HF
+    builds its BlockMask inside the graph; the hook checks it there). Same logits as unpatched, every layer's
+    backward through the kernel."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -474,13 +499,18 @@ def test_gpu_hf_model_flex():
                                                           dtype=torch.bfloat16).cuda()
     ids = torch.randint(0, 64, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     want = model(input_ids=ids).logits.detach()
+    torch._dynamo.reset()
+    want_compiled = torch.compile(model)(input_ids=ids).logits.detach()
     gproj_patch.enable()
     hook.install()
-    loss_out = model(input_ids=ids, labels=ids)
-    assert torch.equal(loss_out.logits.detach(), want)
-    loss_out.loss.backward()
-    st = gproj_patch.stats()
-    assert st["gproj"] + st["fp32"] == cfg.num_hidden_layers, st
+    for run in (model, torch.compile(model)):
+        gproj_patch.reset_stats()
+        torch._dynamo.reset()
+        res = run(input_ids=ids, labels=ids)
+        assert torch.equal(res.logits.detach(), want if run is model else want_compiled)
+        res.loss.backward()
+        st = gproj_patch.stats()
+        assert st["gproj"] == cfg.num_hidden_layers, st
 
 
 @pytest.mark.gpu
