@@ -116,6 +116,33 @@ def test_refused_when_not_exact():
     assert padding_as_varlen(mask[:, :, :, :-1], do, S, S - 1) is None
 
 
+@pytest.mark.parametrize("tier", ["fp32", "kernel"])
+def test_live_empty_rows_are_inert_under_boolean_semantics(monkeypatch, tier):
+    """HF's causal-LM loss: the last pad row predicts the first real token, so its dO is not zero although the
+    boolean mask hides every key from it (SDPA and the backends: output 0, zero gradients). Refused by default,
+    exact with ``empty_rows_inert`` — on the FP32 tier too, which sees dO zeroed on the dead rows."""
+    mask = left_padded_mask(LEFT_PADS)
+    dtype = torch.bfloat16 if tier == "fp32" else torch.float16
+    q, k, v, do, s = make(dtype, sink=True, seed=3)
+    for b, p in enumerate(LEFT_PADS):
+        if p:
+            do[b, :, p - 1] = 1.0                                 # the last pad row carries a loss gradient
+    assert padding_as_varlen(mask, do, S, S) is None
+    pad = padding_as_varlen(mask, do, S, S, empty_rows_inert=True)
+    assert pad is not None and bool(pad.dead_rows.reshape(B, S)[1, 6])
+    if tier == "kernel":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("GPROJ_TIER", "triton")
+    o, lse = reference_forward(q, k, v, attn_mask=mask, sink=s)
+    tensors, packed = packed_call(pad, record.Problem(scale=D ** -0.5, sink=s), do=do, q=q, k=k, v=v,
+                                  out=o.to(dtype), lse=lse.float())
+    mode, option = ("fp32", "auto") if tier == "fp32" else ("gproj", "triton")
+    got = unpack_grads(pad, router.run_backward(_record(mode, option, packed), tensors))
+    want = reference_backward(q, k, v, do, attn_mask=mask, sink=s)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), got, want):
+        assert torch.isfinite(a).all() and rel(a, b) < BOUND[dtype], name
+
+
 @pytest.mark.parametrize("sink", [False, True])
 def test_fp32_tier_matches_fp64_with_the_mask(sink):
     telemetry_before = telemetry.stats()["fp32"]

@@ -137,7 +137,8 @@ def route(record: CallRecord, pattern: Optional[Tensor], *, do: Tensor, q: Tenso
             problem = Problem(scale=problem.scale, causal=True, window=window, softcap=problem.softcap,
                               sink=problem.sink)
             return _routed(CallRecord(problem, record.context), do, q, k, v, dead, original)
-        pad = padding_as_varlen(pattern, do, q.shape[2], k.shape[2])
+        boolean = problem.attn_mask.dtype == torch.bool  # fn gave fully masked rows no weight (sink: all on it)
+        pad = padding_as_varlen(pattern, do, q.shape[2], k.shape[2], empty_rows_inert=boolean)
     if pad is None:
         return _routed(record, do, q, k, v, None, original)
     tensors, packed = packed_call(pad, problem, do=do, q=q, k=k, v=v, out=None, lse=None)

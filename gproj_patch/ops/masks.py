@@ -101,7 +101,8 @@ def _segment_starts(m: Tensor, live: Tensor) -> Tensor:
     return torch.where(first >= sk, torch.zeros_like(first), first)
 
 
-def padding_as_varlen(attn_mask: Optional[Tensor], do: Tensor, sq: int, sk: int) -> Optional[PackedPadding]:
+def padding_as_varlen(attn_mask: Optional[Tensor], do: Tensor, sq: int, sk: int, *,
+                      empty_rows_inert: bool = False) -> Optional[PackedPadding]:
     """Left (and/or right) padding: a boolean (B or 1, 1, S, S) mask under which every row with a nonzero
     output gradient of batch entry b sees exactly the keys ``start_b <= j <= i`` (within a causal window if the
     mask shows one), ``start_b`` the number of left-pad positions of b. Returns the ``PackedPadding`` that hands
@@ -111,13 +112,20 @@ def padding_as_varlen(attn_mask: Optional[Tensor], do: Tensor, sq: int, sk: int)
     attention computes; the keys before ``start_b`` are never seen by a live row, so within b they form their
     own segment seen only by dead rows; every zero-dO row contributes nothing to any gradient and gets LSE =
     +inf in the kernel (and P·0 = 0 in the FP32 tier). HF's left-padded masks have fully masked pad rows (the
-    eager float mask gives them uniform weights, the boolean one none): with zero dO neither matters."""
+    eager float mask gives them uniform weights, the boolean one none): with zero dO neither matters.
+
+    ``empty_rows_inert``: a row that sees no key contributes nothing whatever its dO — true of boolean masks
+    under SDPA (output 0, zero gradients) and the backends' convention (with a sink: P_sink = 1, O = 0, so
+    D = 0), not of HF's additive eager masks. HF's causal-LM loss gives the last pad row (it predicts the first
+    real token) a nonzero dO; with this flag it is still a dead row."""
     if attn_mask is None or attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1] != 1 \
             or attn_mask.shape[-2:] != (sq, sk) or sq != sk or attn_mask.shape[0] not in (1, do.shape[0]):
         return None
     batch = do.shape[0]
     m = attn_mask[:, 0].expand(batch, sq, sk)
     live = do.abs().amax(dim=(1, 3)) != 0                            # (B, Sq)
+    if empty_rows_inert:
+        live = live & m.any(-1)
     starts = _segment_starts(m, live)
     rows = torch.arange(sq, device=m.device)
     if bool((live & (rows[None, :] < starts[:, None])).any()):
@@ -149,11 +157,12 @@ def packed_call(pad: PackedPadding, problem, *, do: Tensor, q: Tensor, k: Tensor
     if lse is not None:
         from ..backends.spec import normalize_lse
         packed_lse = pad.pack(normalize_lse(lse, *q.shape[:3]).unsqueeze(-1)).squeeze(-1)
+    dead = pad.dead_rows[:, None, :, None]  # zero dO there: the FP32 tier reads no LSE (empty_rows_inert rows)
     packed_out = None
     if out is not None:  # a fused forward may leave NaN on fully masked (dead) rows: D = dO·O must stay 0 there
-        packed_out = pad.pack(out).masked_fill(pad.dead_rows[:, None, :, None], 0)
-    tensors = BackwardTensors(pad.pack(do), pad.pack(q), pad.pack(k), pad.pack(v), packed_out, packed_lse,
-                              dead_rows=pad.dead_rows)
+        packed_out = pad.pack(out).masked_fill(dead, 0)
+    tensors = BackwardTensors(pad.pack(do).masked_fill(dead, 0), pad.pack(q), pad.pack(k), pad.pack(v),
+                              packed_out, packed_lse, dead_rows=pad.dead_rows)
     packed = Problem(scale=problem.scale, causal=True, causal_align="top_left", window=pad.window,
                      softcap=problem.softcap, cu_seqlens_q=pad.cu_seqlens, cu_seqlens_k=pad.cu_seqlens,
                      max_seqlen_q=pad.max_seqlen, max_seqlen_k=pad.max_seqlen, sink=problem.sink)
