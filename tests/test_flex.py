@@ -235,6 +235,25 @@ def test_witness_exact_zero():
     assert grads[0][inp.expected["dq_index"]].item() == inp.expected["dq_exact"]
 
 
+def test_kernel_through_interpreter_fp16(monkeypatch):
+    """The GProj Triton kernel (Triton's CPU interpreter, FP16) fed with flex's own LSE: the four-key witness
+    exactly 0, and a causal 128σ key offset against fp64."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("GPROJ_TIER", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gproj_patch.enable(targets=("sdpa",))
+    hook.install()
+    wit = _case("witness", dtype=torch.float16)
+    _, grads = _grads(fam.flex_attention, wit.q, wit.k, wit.v, wit.do)
+    assert grads[0][wit.expected["dq_index"]].item() == 0.0
+    inp = _case("key_offset_128", dtype=torch.float16)
+    S = inp.q.shape[2]
+    _, grads = _grads(fam.flex_attention, inp.q, inp.k, inp.v, inp.do, block_mask=_bm(causal, S, S))
+    errs = _check(grads, reference_backward(inp.q, inp.k, inp.v, inp.do, causal=True))
+    assert max(errs) < 1e-3, errs  # FP16: u = 2^-11
+    assert gproj_patch.stats()["gproj"] == 2 and gproj_patch.stats()["fp32"] == 0
+
+
 def test_dense_fallback_mask_through_fp32_tier():
     inp = _case("key_offset_128")
     S = inp.q.shape[2]

@@ -39,6 +39,7 @@ from .flex_masks import NO_MASK, BlockStructure, MaskVerdict, analyse
 from .sdpa import _detach_pack, _identity_unpack
 
 SOURCE = "flex"
+NO_FLEX_BACKWARD = ("cpu", "mps")  # devices where PyTorch's flex raises when inputs require grad
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _HF_SCORE_MOD_NAME = "score_mod"
 DEFAULT_CONFIG = Config()  # made once: a compiled region cannot construct it
@@ -185,19 +186,18 @@ class FlexCall:
 
 
 def run_forward(call: FlexCall, q, k, v, keep_graph: bool):
-    """(output, LSE or None, (inner output, aliases) or None) of the original forward (module docstring)."""
+    """(output, LSE, (inner output, aliases) or None) of the original forward (module docstring). The LSE is
+    always asked for (the kernel needs it; on CPU the Triton interpreter can run the kernel too)."""
     from torch.nn.attention.flex_attention import AuxRequest
-    want_lse = q.device.type == "cuda"  # the CPU tiers need no LSE (and flex has no CPU backward)
+    with_grad = q.device.type not in NO_FLEX_BACKWARD  # where flex has a backward: the unpatched graph
     kwargs = dict(score_mod=call.score_mod, block_mask=call.block_mask, scale=call.scale,
-                  enable_gqa=call.enable_gqa, kernel_options=call.kernel_options,
-                  return_aux=AuxRequest(lse=True) if want_lse else None)
-    grad_mode = torch.enable_grad() if want_lse else torch.no_grad()
+                  enable_gqa=call.enable_gqa, kernel_options=call.kernel_options, return_aux=AuxRequest(lse=True))
+    grad_mode = torch.enable_grad() if with_grad else torch.no_grad()
     with grad_mode, torch.autograd.graph.saved_tensors_hooks(_detach_pack, _identity_unpack):
-        aliases = tuple(t.detach().requires_grad_(want_lse) for t in (q, k, v))
-        res = call.forward_fn(*aliases, **kwargs)
-    inner, lse = (res[0], res[1].lse) if want_lse else (res, None)
-    kept = (inner, aliases) if keep_graph and want_lse else None
-    return inner.detach(), None if lse is None else lse.detach(), kept
+        aliases = tuple(t.detach().requires_grad_(with_grad) for t in (q, k, v))
+        inner, aux = call.forward_fn(*aliases, **kwargs)
+    kept = (inner, aliases) if keep_graph and with_grad else None
+    return inner.detach(), aux.lse.detach(), kept
 
 
 class _FlexFunction(torch.autograd.Function):
