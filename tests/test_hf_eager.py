@@ -301,6 +301,17 @@ def test_tiny_llama_forward_and_weights_bitwise_and_memory_flat():
     _flat(step)
     assert gproj_patch.stats()["fp32"] == 2 * 6
 
+    def grads():
+        model(input_ids=ids, labels=ids).loss.backward()
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out
+    plain = grads()
+    model.train()  # activation checkpointing recomputes the wrapped call during the backward: same gradients
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = grads()
+    assert all(torch.equal(plain[n], checkpointed[n]) for n in plain)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

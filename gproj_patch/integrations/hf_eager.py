@@ -171,9 +171,23 @@ class _Bound:
     others: Dict[str, object]   # every other argument given (explicit or in **kwargs)
 
 
+_signatures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _signature(fn) -> inspect.Signature:
+    """``inspect.signature(fn)``, cached per function (it is read on every call)."""
+    try:
+        return _signatures[fn]
+    except KeyError:
+        sig = _signatures[fn] = inspect.signature(fn)
+        return sig
+    except TypeError:  # not weak-referenceable
+        return inspect.signature(fn)
+
+
 def _bind(fn, args, kwargs) -> Optional[_Bound]:
     try:
-        sig = inspect.signature(fn)
+        sig = _signature(fn)
         bound = sig.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
@@ -255,7 +269,7 @@ def eager_call(fn, args, kwargs):
     if reason is not None:
         telemetry.record_forward("original", f"{SOURCE}: {reason}", telemetry.shape_class(SOURCE, b.query, b.key))
         return fn(*args, **kwargs)
-    sig = inspect.signature(fn)
+    sig = _signature(fn)
     names = list(sig.parameters)[1:4]
 
     def forward(q, k, v, _sink):
