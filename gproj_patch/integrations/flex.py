@@ -124,6 +124,7 @@ def install() -> str:
     elif importlib.util.find_spec("transformers") is not None:
         from ..import_hooks import call_after_import
         _pending = call_after_import("transformers.modeling_utils", _register_on_import)
+        return "installed (HF's 'flex_attention' hooked when transformers.modeling_utils is imported)"
     return "installed"
 
 
