@@ -228,6 +228,23 @@ def test_documents_batch_gqa_softcap():
     assert gproj_patch.stats()["fp32"] == 1
 
 
+def test_packed_documents_pass_the_original_backward_through_unchanged():
+    """Per-batch documents run packed (1, H, B·S, D); a backward that takes the caller's own (unpacked)
+    gradients — mode "off", or the policy's "original" — returns them exactly as they were."""
+    from gproj_patch.record import CallRecord, Context
+    g = torch.Generator().manual_seed(4)
+    B, H, S, D = 2, 2, 200, 16
+    q, k, v, do = (torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(4))
+    bm = _bm(documents(DOCS), S, S, B=B)
+    verdict = flex_masks.analyse(bm.mask_mod, flex_masks.BlockStructure.of(bm), B, H, S, S, "cpu")
+    record = CallRecord(flex_op.problem_for(verdict, 0.0, None, D),
+                        Context(mode="off", tier_option="auto", layer="l", source="flex"))
+    own = tuple(torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(3))
+    got = flex_op.routed_backward(record, do, q, k, v, torch.zeros_like(q), None, lambda: own)
+    assert all(torch.equal(a, b) for a, b in zip(got, own))
+    assert gproj_patch.stats()["original"] == 1
+
+
 def test_witness_exact_zero():
     inp = _case("witness")
     hook.install()

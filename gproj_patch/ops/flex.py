@@ -170,6 +170,11 @@ def routed_backward(record: CallRecord, do, q, k, v, out, lse, original=None, st
     if packed:
         do, q, k, v, out = (_pack(t) for t in (do, q, k, v, out))
         lse = None if lse is None else _pack(lse.reshape(batch, q.shape[1], -1))
+        if original is not None:  # the caller's backward returns unpacked gradients: pack them like the others
+            unpacked_original = original
+
+            def original():
+                return tuple(_pack(g) for g in unpacked_original()[:3])
     grads = run_backward(record, BackwardTensors(do, q, k, v, out, lse), original, stand_in_reason=stand_in_reason)
     return tuple(_unpack(g, batch) for g in grads[:3]) if packed else tuple(grads[:3])
 
