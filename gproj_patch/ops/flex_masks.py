@@ -13,7 +13,12 @@ and only then recognises the mask exactly:
 * documents: Sq == Sk, rows grouped into consecutive segments that see exactly their own segment (full or
   causal), possibly different per batch element — varlen ``cu_seqlens`` over the batch packed into one
   sequence;
-* otherwise the dense boolean mask for the FP32 tier when it fits ``DENSE_MASK_BUDGET_BYTES``, else a reason.
+* otherwise the dense boolean mask for the FP32 tier when it fits ``DENSE_MASK_BUDGET_BYTES`` (kept from the
+  evaluation, or — in the compiled path, which keeps only row summaries — rebuilt from rows that are key
+  intervals), else a reason.
+
+``evaluate_chunk`` has no host synchronisation, so ``flex_compiled`` runs it inside the graph; ``classify``
+reads the row summaries (``Rows``) on the host.
 
 The (b, h) grid evaluated is the call's (B, Hq), reduced to one index when ``mask_mod``'s bytecode never reads
 that argument (``reads_argument``), so it is exact for masks that depend on the batch or the head.
