@@ -197,6 +197,28 @@ def test_kernel_fp16_in_the_interpreter(monkeypatch, pads):
     assert gproj_patch.stats()["gproj"] == 1
 
 
+def test_live_fully_masked_row_keeps_eager_uniform_semantics():
+    """HF's loss on the last pad row: eager (additive mask, no sink) spreads that row's weight uniformly over
+    every key, so it is not inert; the call takes the FP32 tier with the float mask itself. The oracle gets the
+    same semantics through an fp64 additive mask that cancels that row's scores (uniform P, the gradient still
+    reaching q and k through them); the eager mask's −3.4e38 itself would defeat the oracle's exp(s − LSE)."""
+    q, k, v, do = make(torch.bfloat16, seed=8)
+    pads = (0, 11)
+    do[1, : pads[1] - 1] = 0                      # row 10 (the last pad) keeps its gradient
+    pattern = causal(pads)
+    mask = eager_mask(pattern, torch.bfloat16)
+    _, _, got = grads_of(modeling_llama.eager_attention_forward, _Attention(), q, k, v, do, mask)
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    scores = q64 @ k64.repeat_interleave(H // HKV, 1).transpose(2, 3) * D ** -0.5
+    empty = ~pattern.any(-1, keepdim=True)        # (B, 1, S, 1): the fully masked rows
+    oracle_mask = torch.where(empty, -scores, torch.zeros_like(scores).masked_fill(~pattern, float("-inf")))
+    want = reference_backward(q64, k64, v64, do.transpose(1, 2), attn_mask=oracle_mask, scale=D ** -0.5)
+    assert float(want[0][1, :, pads[1] - 1].abs().max()) > 0  # the uniform row has a gradient
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert rel(a, b) < BOUND[torch.bfloat16], name
+    assert gproj_patch.stats()["fallback_reasons"].get("attn_mask") == 1
+
+
 def test_bias_mask_goes_to_the_fp32_tier_exactly():
     q, k, v, do = make(torch.bfloat16, seed=2)
     bias = torch.randn(B, 1, S, S, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -208,11 +230,15 @@ def test_bias_mask_goes_to_the_fp32_tier_exactly():
     assert gproj_patch.stats()["fp32"] == 1
 
 
-def test_gpt_oss_sink_column_with_dsink():
+@pytest.mark.parametrize("pads", [(0, 0), (0, 11)])
+def test_gpt_oss_sink_column_with_dsink(pads):
+    """With a sink a fully masked row puts its weight on the sink (output 0): inert even with a nonzero dO
+    (HF's loss on the last pad row), so left padding still goes to the flags/varlen path, not the mask."""
     q, k, v, do = make(torch.bfloat16, seed=4, orthogonal=True)
+    do[1, : max(pads[1] - 1, 0)] = 0
     sinks = torch.tensor([math.log(S) + lvl for lvl in (-20.0, 0.0, 3.0, 8.0)]).to(torch.bfloat16)
     module = _Attention(sinks=sinks)
-    pattern = causal()
+    pattern = causal(pads)
     fn = modeling_gpt_oss.eager_attention_forward
     out, _, got = grads_of(fn, module, q, k, v, do, eager_mask(pattern, torch.bfloat16))
     dsink = module.sinks.grad.clone()
@@ -225,6 +251,7 @@ def test_gpt_oss_sink_column_with_dsink():
         assert rel(a, b) < BOUND[torch.bfloat16], name
     no_sink = 0  # head 0's sink has weight e^-20: the exact dS row sum is ~0 there, so the leak shows
     assert rel(plain[0][:, no_sink], want[0][:, no_sink]) > UNPATCHED_FAR
+    assert not any("attn_mask" in r for r in gproj_patch.stats()["fallback_reasons"])
 
 
 def test_four_key_witness_exactly_zero():

@@ -72,6 +72,14 @@ def _pattern(mask: Optional[Tensor]) -> Optional[Tensor]:
     return visible if bool((visible | (mask <= MASKED_ADDITIVE)).all()) else None
 
 
+def _empty_rows_inert(mask: Tensor, sink: Optional[Tensor]) -> bool:
+    """Whether a row whose keys are all masked contributes nothing (output 0, zero gradients, whatever its dO):
+    under a boolean mask (no weight at all), or with a sink (all the weight on the sink logit, which the
+    additive minimum cannot reach). Not under an additive mask without a sink: eager then spreads the row's
+    weight uniformly over every key."""
+    return mask.dtype == torch.bool or sink is not None
+
+
 def mask_unsupported_reason(mask, sq: int, sk: int) -> Optional[str]:
     """Why an eager call's mask cannot be routed (None: it can)."""
     if mask is None:
@@ -100,7 +108,7 @@ def problem_for(call: EagerCall, sq: int, sk: int) -> Tuple[Problem, Optional[Te
     if pattern is None:
         return Problem(attn_mask=call.mask, **base), None
     empty_rows = bool((~pattern).all(-1).any())
-    if not (empty_rows and call.mask.dtype != torch.bool):
+    if not empty_rows or _empty_rows_inert(call.mask, call.sink):
         rest, causal, align, window = mask_as_flags(pattern, sq, sk)
         if rest is None:
             return Problem(causal=causal, causal_align=align, window=window, **base), None
@@ -137,8 +145,8 @@ def route(record: CallRecord, pattern: Optional[Tensor], *, do: Tensor, q: Tenso
             problem = Problem(scale=problem.scale, causal=True, window=window, softcap=problem.softcap,
                               sink=problem.sink)
             return _routed(CallRecord(problem, record.context), do, q, k, v, dead, original)
-        boolean = problem.attn_mask.dtype == torch.bool  # fn gave fully masked rows no weight (sink: all on it)
-        pad = padding_as_varlen(pattern, do, q.shape[2], k.shape[2], empty_rows_inert=boolean)
+        pad = padding_as_varlen(pattern, do, q.shape[2], k.shape[2],
+                                empty_rows_inert=_empty_rows_inert(problem.attn_mask, problem.sink))
     if pad is None:
         return _routed(record, do, q, k, v, None, original)
     tensors, packed = packed_call(pad, problem, do=do, q=q, k=k, v=v, out=None, lse=None)
