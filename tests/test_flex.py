@@ -6,6 +6,8 @@ CPU: PyTorch's flex has no CPU backward, so the hooked calls run the FP32 tier t
 on CUDA, the GProj kernel, the uncorrected compiled flex as the witness of the leak. Run them with
 ``PYTHONPATH=. python -m pytest -q -m gpu tests/test_flex.py``.
 """
+import os
+
 import pytest
 import torch
 
@@ -377,6 +379,26 @@ def test_row_intervals_rebuild_the_dense_mask():
     _, rows, bad = flex_masks.evaluate_chunk(prefix_lm, maps, 1, 1, torch.arange(200), 200)
     verdict = flex_masks.classify(rows, None, 1, 200, 200)
     assert not bool(bad) and torch.equal(verdict.dense, fam.create_mask(prefix_lm, 1, 1, 200, 200, device="cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GPROJ_SLOW_TESTS") != "1", reason="Inductor's CPU codegen; GPROJ_SLOW_TESTS=1")
+def test_compiled_inductor_cpu_same_bits():
+    """Inductor (the GPU's backend, here its CPU codegen): the in-graph mask summary lowers, and the forward is
+    bitwise the unpatched Inductor-compiled flex."""
+    g = torch.Generator().manual_seed(2)
+    B, H, S, D = 2, 2, 200, 32
+    q, v, do = (torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(3))
+    k = (torch.randn(B, H, S, D, generator=g) + 40.0).bfloat16()
+    bm = _bm(documents(DOCS), S, S, B=B)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = torch.compile(UNPATCHED)(q, k, v, block_mask=bm)
+    hook.install()
+    torch._dynamo.reset()
+    out, grads = _grads(torch.compile(fam.flex_attention, fullgraph=True), q, k, v, do, block_mask=bm)
+    assert torch.equal(out, want)
+    _check(grads, reference_backward(q, k, v, do, attn_mask=fam.create_mask(documents(DOCS), B, 1, S, S, device="cpu")))
 
 
 def test_compiled_pass_through_and_loud_failure():
