@@ -287,13 +287,20 @@ def _alibi(score, b, h, q_idx, kv_idx):
     return score + (kv_idx - q_idx)
 
 
-@pytest.mark.parametrize("what", ["score_mod", "lse", "inconsistent_mask"])
+@pytest.mark.parametrize("what", ["score_mod", "lse", "inconsistent_mask", "sliced_mask"])
 def test_pass_through_with_reason(what):
     inp = _case("diffuse") if what != "inconsistent_mask" else \
         get_case("diffuse").build(seed=0, dtype=torch.bfloat16, quick=False)  # S = 512: several blocks
     S = inp.q.shape[2]
     kw = {"score_mod": _alibi} if what == "score_mod" else \
         {"return_aux": fam.AuxRequest(lse=True)} if what == "lse" else {"block_mask": _bm(head_dependent, S, S)}
+    if what == "sliced_mask":  # flex raises its own error for these: the hook must leave that to it
+        hook.install()
+        sliced = _bm(causal, S, S)[:, :, :1]
+        with pytest.raises((RuntimeError, NotImplementedError)):  # on CPU flex's device check comes first
+            fam.flex_attention(_leaf(inp.q), inp.k, inp.v, block_mask=sliced)
+        assert any("sliced" in r for r in gproj_patch.stats()["fallback_reasons"])
+        return
     hook.install()
     with pytest.raises(NotImplementedError):  # the original ran: it has no CPU backward
         fam.flex_attention(_leaf(inp.q), inp.k, inp.v, **kw)

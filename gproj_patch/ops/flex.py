@@ -39,6 +39,7 @@ from .flex_masks import NO_MASK, BlockStructure, MaskVerdict, analyse
 from .sdpa import _detach_pack, _identity_unpack
 
 SOURCE = "flex"
+SLICED_MASK_MOD = "_sliced_mask_mod_error"  # the stub flex puts in a sliced BlockMask
 NO_FLEX_BACKWARD = ("cpu", "mps")  # devices where PyTorch's flex raises when inputs require grad
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _HF_SCORE_MOD_NAME = "score_mod"
@@ -144,6 +145,8 @@ def unsupported_reason(q, k, v, block_mask, enable_gqa: bool, return_lse: bool, 
         return "flex: LSE / max scores requested as outputs (their gradients are not the corrected backward's)"
     if block_mask is not None and tuple(block_mask.seq_lengths) != (q.shape[2], k.shape[2]):
         return "flex: BlockMask made for other sequence lengths (the original decides)"
+    if block_mask is not None and getattr(block_mask.mask_mod, "__name__", "") == SLICED_MASK_MOD:
+        return "flex: sliced BlockMask (no mask_mod; the original decides)"
     return None
 
 
