@@ -43,11 +43,13 @@ REASON = "tensor subclass DTensor"
 
 # ---------------------------------------------------------------------------------------------- the worker --
 def _inputs(dtype):
-    """Full-sequence q, k, v, dO (fp64 and rounded to ``dtype``), identical on every rank."""
+    """Full-sequence q, k, v, dO rounded to ``dtype`` (identical on every rank), and the same values in fp64 for
+    the oracle (so that only the backward's own error is measured, as in the audit)."""
     g = torch.Generator().manual_seed(13)
     q, k, v, do = (torch.randn(SHAPE, generator=g, dtype=torch.float64) for _ in range(4))
     k = k + KEY_OFFSET * torch.sign(torch.randn(SHAPE[-1], generator=g, dtype=torch.float64))
-    return (q, k, v, do), tuple(t.to(dtype) for t in (q, k, v, do))
+    low = tuple(t.to(dtype) for t in (q, k, v, do))
+    return tuple(t.double() for t in low), low
 
 
 def _placement(code):
@@ -155,8 +157,9 @@ def _worker(rank, world, port, outdir):
     res["cp"]["inside"] = _cp_call(mesh, enable_inside=True)
     res["cp"]["inside_stats"] = gproj_patch.stats()
     gproj_patch.disable()
-    res["cp"]["sdpa_after_disable_is_builtin"] = F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
-    F.scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention  # leave this process clean
+    builtin = torch._C._nn.scaled_dot_product_attention
+    res["cp"]["sdpa_after_disable_is_builtin"] = F.scaled_dot_product_attention is builtin
+    F.scaled_dot_product_attention = builtin  # leave this process clean
 
     res["log"] = capture.messages
     torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
@@ -179,6 +182,14 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def _within_own(err, own):
+    """The unpatched BF16 path's own error bound. DTensor's math path is allowed 4x the single-process error:
+    with K/V sharded on the sequence and q replicated ("kv_seq"), dq is a Partial sum of per-shard BF16 products,
+    each carrying its shard's row sum times the key offset (measured: dq 0.52 % against 0.16 % in one process).
+    A gradient "corrected" from a local key shard is off by ~90-100 % (measured: enable() inside CP below)."""
+    return err <= 4 * own + 1e-3
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -195,8 +206,8 @@ def ranks(tmp_path_factory):
 def references():
     from gproj_patch.backends.reference import reference_backward, reference_forward
     refs = {}
-    for name, (_, causal, _) in CASES.items():
-        (q, k, v, do), _ = _inputs(torch.float64)
+    for name, (_, causal, dtype) in CASES.items():
+        (q, k, v, do), _ = _inputs(dtype)
         refs[name] = (reference_forward(q, k, v, causal=causal)[0], reference_backward(q, k, v, do, causal=causal))
     return refs
 
@@ -221,8 +232,8 @@ def test_dtensor_gradients_against_fp64_of_the_full_sequence(ranks, references, 
         assert _rel(out, ref_out) < (1e-2 if out.dtype == torch.bfloat16 else 1e-5)
         for which, g, plain, ref in zip("qkv", grads, case["plain"], ref_grads):
             err, own = _rel(g, ref), _rel(plain, ref)
-            assert err <= 1.5 * own + 2e-3, (res["rank"], name, f"d{which}", err, own)
-            assert err < (0.05 if g.dtype == torch.bfloat16 else 1e-5), (res["rank"], name, f"d{which}", err)
+            assert _within_own(err, own), (res["rank"], name, f"d{which}", err, own)
+            assert err < (0.02 if g.dtype == torch.bfloat16 else 1e-5), (res["rank"], name, f"d{which}", err)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -244,7 +255,7 @@ def test_dtensor_reason_logged_on_every_rank(ranks):
 
 
 def test_context_parallel_enabled_first_takes_the_original_path(ranks, references):
-    ref_out, ref_grads = references["seq"]
+    _, ref_grads = references["seq"]
     for res in ranks:
         cp = res["cp"]
         (out_p, grads_p), (out_u, grads_u) = cp["patched"], cp["unpatched"]
@@ -252,7 +263,7 @@ def test_context_parallel_enabled_first_takes_the_original_path(ranks, reference
         assert all(torch.equal(a, b) for a, b in zip(grads_p, grads_u))
         plain = res["cases"]["seq"]["plain"]
         for g, p, ref in zip(grads_p, plain, ref_grads):
-            assert _rel(g, ref) <= 1.5 * _rel(p, ref) + 2e-3
+            assert _within_own(_rel(g, ref), _rel(p, ref))
         st = cp["stats"]
         assert st["gproj"] == 0 and st["fp32"] == 0, st
         assert any(REASON in r for r in st["fallback_reasons"]), st
@@ -265,7 +276,7 @@ def test_context_parallel_enabled_inside_is_not_silently_wrong(ranks, references
     _, ref_grads = references["seq"]
     for res in ranks:
         for g, ref in zip(res["cp"]["inside"][1], ref_grads):
-            assert _rel(g, ref) < 0.05
+            assert _rel(g, ref) < 0.02
 
 
 @pytest.mark.xfail(strict=True, reason="after enable() inside context_parallel, disable() restores CP's wrapper "
