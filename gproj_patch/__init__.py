@@ -64,8 +64,8 @@ _logger.addHandler(_LastResort())
 
 
 def _installers():
-    from .integrations import flash_attn, sdpa, transformers
-    return {"sdpa": sdpa, "flash_attn": flash_attn, "transformers": transformers}
+    from .integrations import flash_attn, flex, sdpa, transformers
+    return {"sdpa": sdpa, "flash_attn": flash_attn, "transformers": transformers, "flex": flex}
 
 
 class Handle:

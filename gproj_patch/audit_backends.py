@@ -168,6 +168,12 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[B
             skipped[variant] = f"{module} not importable ({type(e).__name__})"
             continue
         backends.append(Backend(variant, _flash(variant), _flash_reason))
+    try:  # FlexAttention: compiled flex's own backward (CUDA) and flex through the hook
+        from .integrations import flex as flex_hook
+        for name, run, reason in flex_hook.audit_backends(device):
+            backends.append(Backend(name, run, reason))
+    except Exception as e:  # noqa: BLE001 - a torch without flex_attention: say why
+        skipped["flex"] = f"flex_attention not available ({type(e).__name__}: {e})"
     interp = os.environ.get("GPROJ_TIER") == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if not cuda and not interp:
         skipped["triton"] = "needs CUDA (or GPROJ_TIER=triton TRITON_INTERPRET=1 with --dtype fp16)"
