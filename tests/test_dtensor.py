@@ -74,6 +74,19 @@ def _dtensor_call(mesh, name):
     return out.full_tensor(), tuple(t.grad.full_tensor() for t in (qd, kd, vd))
 
 
+def _tp_local_call(mesh, causal):
+    """Tensor parallel as ``parallelize_module`` runs it by default (``use_local_output=True``): SDPA gets the
+    *local* head shard as plain tensors — every row whole — and the DTensors are rebuilt around it."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    _, (q, k, v, do) = _inputs(torch.bfloat16)
+    qd, kd, vd = (distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qd.to_local(), kd.to_local(), vd.to_local(), is_causal=causal)
+    out = DTensor.from_local(out, mesh, [Shard(1)])
+    out.backward(distribute_tensor(do, mesh, [Shard(1)]))
+    return out.full_tensor(), tuple(t.grad.full_tensor() for t in (qd, kd, vd))
+
+
 def _plain_call(name):
     """The same call on plain tensors in one process, unpatched (the BF16 path's own error)."""
     import torch.nn.functional as F
@@ -142,7 +155,13 @@ def _worker(rank, world, port, outdir):
         gproj_patch.reset_stats()
         res["cases"][name]["patched"] = _dtensor_call(mesh, name)
         res["cases"][name]["stats"] = gproj_patch.stats()
+    res["tp_local"] = {}
+    for causal in (False, True):
+        gproj_patch.reset_stats()
+        res["tp_local"][causal] = {"patched": _tp_local_call(mesh, causal), "stats": gproj_patch.stats()}
     gproj_patch.disable()
+    for causal in (False, True):
+        res["tp_local"][causal]["unpatched"] = _tp_local_call(mesh, causal)
 
     # context parallel: the patch enabled before the context (the supported order), then unpatched
     res["cp"] = {}
@@ -252,6 +271,30 @@ def test_dtensor_reason_counted_on_every_rank(ranks, name):
 def test_dtensor_reason_logged_on_every_rank(ranks):
     for res in ranks:
         assert any(REASON in m and "original" in m for m in res["log"]), res["log"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tensor_parallel_local_heads_get_the_corrected_backward(ranks, causal):
+    """Plain local head shards (TP's default local output) are whole rows: corrected on every rank, the forward
+    unchanged, the gradients at least as close to fp64 as the unpatched ones and as the single-process FP32 tier."""
+    import gproj_patch
+    from gproj_patch.backends.reference import reference_backward
+    (q, k, v, do), low = _inputs(torch.bfloat16)
+    ref = reference_backward(q, k, v, do, causal=causal)
+    with gproj_patch.enable(mode="gproj"):
+        single = [t.clone().requires_grad_() for t in low[:3]]
+        torch.nn.functional.scaled_dot_product_attention(*single, is_causal=causal).backward(low[3])
+    for res in ranks:
+        run = res["tp_local"][causal]
+        (out_p, grads_p), (out_u, grads_u) = run["patched"], run["unpatched"]
+        assert torch.equal(out_p, out_u)
+        st = run["stats"]
+        assert st["fp32"] + st["gproj"] == 1 and st["original"] == 0, st
+        assert not any(REASON in r for r in st["fallback_reasons"]), st
+        for which, g_p, g_u, g_1, r in zip("qkv", grads_p, grads_u, single, ref):
+            err, err_u, err_1 = _rel(g_p, r), _rel(g_u, r), _rel(g_1.grad, r)
+            assert err <= err_u * 1.05 + 1e-4, (res["rank"], f"d{which}", err, err_u)
+            assert err <= err_1 * 1.05 + 1e-4, (res["rank"], f"d{which}", err, err_1)
 
 
 def test_context_parallel_enabled_first_takes_the_original_path(ranks, references):
