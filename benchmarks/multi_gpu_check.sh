@@ -29,10 +29,10 @@ python3 -m gproj_patch.integrations.startup --check 2>&1 | grep -q "hook install
     || python3 -m gproj_patch.integrations.startup --install 2>&1 | tee -a "$LOG"
 python3 -m gproj_patch.integrations.startup --check 2>&1 | tee -a "$LOG"
 TR=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
-step dp 150 env GPROJ_PATCH=1 GPROJ_MODE=gproj "${TR[@]}" benchmarks/multi_gpu_check.py --part dp --dir "$OUT"
-step cp 120 "${TR[@]}" benchmarks/multi_gpu_check.py --part cp --dir "$OUT"
-step shards 90 python3 benchmarks/multi_gpu_check.py --part shards --dir "$OUT" "${SHARD_ARGS[@]}"
-step example_torchrun_ddp 50 env GPROJ_PATCH=1 "${TR[@]}" examples/multi_gpu_train.py --wrap ddp --drive-layer 1
+step dp 130 env GPROJ_PATCH=1 GPROJ_MODE=gproj "${TR[@]}" benchmarks/multi_gpu_check.py --part dp --dir "$OUT"
+step cp 110 "${TR[@]}" benchmarks/multi_gpu_check.py --part cp --dir "$OUT"
+step shards 120 python3 benchmarks/multi_gpu_check.py --part shards --dir "$OUT" "${SHARD_ARGS[@]}"
+step example_torchrun_ddp 45 env GPROJ_PATCH=1 "${TR[@]}" examples/multi_gpu_train.py --wrap ddp --drive-layer 1
 step example_accelerate_fsdp2 60 env GPROJ_PATCH=1 python3 -m accelerate.commands.launch --multi_gpu \
     --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
     examples/multi_gpu_train.py --wrap fsdp2 --drive-layer 1
