@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# GPU runs of test suites nobody here wrote, gproj_patch off and on (issue 8). Two device calls, one right
+# after the other (the machine stays warm about 30 s between calls; stage 2 needs what stage 1 left in /tmp):
+#
+#   stage1  carry: .whl/ext1 tests/external/vendor
+#           keeps FA4's first half (.whl/ext1: half of the ~92 MB nvidia-cutlass-dsl-libs-cu13 wheel, split with
+#           `split -n 2`, and two small wheels) in /tmp for stage 2, installs expecttest (PyTorch's testing helpers
+#           import it), then runs PyTorch's CUDA SDPA tests (benchmarks/external_gpu.py torch, ~600 selected).
+#   stage2  carry: .whl/ext2 tests/external/vendor
+#           joins the wheel (sha256 checked), installs flash-attn-4 and its libraries with
+#           `pip --no-index --no-deps --target /tmp/site`, then runs flash-attention's FA4 tests
+#           (benchmarks/external_gpu.py fa4).
+#
+# Run from the repository root: `bash benchmarks/external_gpu.sh stage1` (then `stage2`). Results in $OUT:
+# <suite>.log (everything, the diff of outcomes last), <suite>_summary.txt, <suite>_outcomes.json and
+# <suite>_work.tgz (each arm's JUnit report, log, selection and gproj_patch.stats()).
+set -u
+cd "$(dirname "$0")/.."
+stage=${1:-}
+OUT=${OUT:-external_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+SITE=/tmp/gproj_external_site
+PARTS=/tmp/gproj_external_fa4
+CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+DEADLINE=${EXTERNAL_DEADLINE:-390}   # seconds for both arms of one suite; one call must stay under 8 minutes
+
+install() {  # wheels -> $SITE (no network there; --target skips .pth files, PYTHONPATH below makes up for it)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"
+}
+
+run_suite() {  # $1 = torch | fa4
+    local suite=$1 t0=$SECONDS rc
+    echo "=== $suite: benchmarks/external_gpu.py $suite --deadline $DEADLINE"
+    timeout $((DEADLINE + 60)) python3 benchmarks/external_gpu.py "$suite" --out "$OUT/$suite" \
+        --deadline "$DEADLINE" 2>&1 | tee "$OUT/$suite.log"
+    rc=${PIPESTATUS[0]}
+    # $OUT brings back at most 8 files, 2 folders deep: bundle the per-arm files
+    [ -f "$OUT/$suite/summary.txt" ] && mv "$OUT/$suite/summary.txt" "$OUT/${suite}_summary.txt"
+    [ -f "$OUT/$suite/outcomes.json" ] && mv "$OUT/$suite/outcomes.json" "$OUT/${suite}_outcomes.json"
+    [ -d "$OUT/$suite/work" ] && tar czf "$OUT/${suite}_work.tgz" -C "$OUT/$suite" work
+    rm -rf "${OUT:?}/$suite"
+    echo "=== $suite rc=$rc (0: nothing fails only with the patch, 1: something does, 2: no comparison) in $((SECONDS - t0)) s"
+    return "$rc"
+}
+
+python3 -c "import torch; print('torch', torch.__version__, torch.version.git_version, torch.cuda.get_device_name())"
+
+case "$stage" in
+stage1)
+    mkdir -p "$PARTS"
+    cp .whl/ext1/*.whl .whl/ext1/*.part-* .whl/ext1/SHA256SUMS "$PARTS"/ || { echo "carry .whl/ext1"; exit 3; }
+    install .whl/ext1/expecttest-*.whl || exit 3
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    run_suite torch
+    ;;
+stage2)
+    part0=$(ls "$PARTS/$CU13.part-00" .whl/ext1/"$CU13".part-00 2>/dev/null | head -n 1)
+    if [ -z "$part0" ] || [ ! -f .whl/ext2/"$CU13".part-01 ]; then
+        echo "stage 1's half of $CU13 is gone (the machine was given back between the calls) or .whl/ext2 was"
+        echo "not carried: run stage1 again, then stage2 right after it"
+        exit 3
+    fi
+    mkdir -p /tmp/gproj_external_wheels
+    cat "$part0" .whl/ext2/"$CU13".part-01 > /tmp/gproj_external_wheels/"$CU13"
+    (cd /tmp/gproj_external_wheels && sha256sum -c "$OLDPWD/.whl/ext2/SHA256SUMS") || exit 3
+    small=$(ls "$PARTS"/*.whl .whl/ext2/*.whl | grep -v expecttest)
+    install /tmp/gproj_external_wheels/"$CU13" $small || exit 3
+    export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    t0=$SECONDS
+    python3 -c "import flash_attn.cute.interface as i; print('flash_attn.cute', i.__file__)" || exit 3
+    echo "first FA4 import: $((SECONDS - t0)) s"
+    run_suite fa4
+    ;;
+*)
+    echo "usage: $0 stage1|stage2"
+    exit 2
+    ;;
+esac
