@@ -160,6 +160,14 @@ def main(argv=None) -> int:
     if not (on.get("enabled_at_start") and on.get("enabled_at_end")):
         print("RUN FAILED: the patched arm did not keep the patch enabled")
         return 2
+    hooked = on.get("installed", {}).get("flash_attn" if args.suite == "fa4" else "sdpa", "")
+    if args.suite == "fa4" and "_flash_attn_bwd" not in hooked:
+        print(f"RUN FAILED: the patched arm did not hook FA4's backward (flash_attn: {hooked!r})")
+        return 2
+    counts = on.get("stats") or {}
+    if not counts.get("fp32", 0) + counts.get("gproj", 0):
+        print(f"RUN FAILED: no corrected backward ran in the patched arm: {counts}")
+        return 2
     partial = not (result["on"]["complete"] and result["off"]["complete"])
     regressions = harness.regressions(result["off"]["outcomes"], result["on"]["outcomes"], skip_missing=partial)
     return 1 if regressions else 0
