@@ -64,8 +64,9 @@ _logger.addHandler(_LastResort())
 
 
 def _installers():
-    from .integrations import flash_attn, flex, sdpa, transformers
-    return {"sdpa": sdpa, "flash_attn": flash_attn, "transformers": transformers, "flex": flex}
+    from .integrations import flash_attn, flex, hf_eager, sdpa, transformers
+    return {"sdpa": sdpa, "flash_attn": flash_attn, "transformers": transformers, "hf_eager": hf_eager,
+            "flex": flex}
 
 
 class Handle:

@@ -10,7 +10,7 @@ even over an invalid environment value. Unknown keywords raise.
 |---------------------|---------------------------|--------------------------------------------------|---------|
 | mode                | GPROJ_MODE                | gproj, fp32, off, auto, audit                    | gproj   |
 | targets             | GPROJ_TARGETS             | non-empty comma list of sdpa, flash_attn,        | all     |
-|                     |                           | transformers, flex                               |         |
+|                     |                           | transformers, hf_eager, flex                     |         |
 | tier                | GPROJ_TIER                | auto (kernel where supported, else FP32 tier),   | auto    |
 |                     |                           | triton (kernel or error), fp32 (FP32 tier)       |         |
 | log_level           | GPROJ_LOG_LEVEL           | DEBUG, INFO, WARNING, ERROR or an int            | WARNING |
@@ -38,14 +38,14 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 MODES = ("gproj", "fp32", "off", "auto", "audit")
 POLICY_MODES = ("auto", "audit")
-TARGETS = ("sdpa", "flash_attn", "transformers", "flex")
+TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex")
 TIER_OPTIONS = ("auto", "triton", "fp32")
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
            "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _TARGET_ALIASES = {"flash-attn": "flash_attn", "flashattn": "flash_attn", "fa": "flash_attn",
-                   "flex_attention": "flex"}
+                   "flex_attention": "flex", "eager": "hf_eager"}
 
 
 def _choice(name: str, value, allowed) -> str:

@@ -312,9 +312,6 @@ def test_context_parallel_enabled_first_takes_the_original_path(ranks, reference
         assert any(REASON in r for r in st["fallback_reasons"]), st
 
 
-@pytest.mark.xfail(strict=True, reason="enable() inside context_parallel wraps CP's SDPA wrapper: the FP32 tier "
-                   "then 'corrects' local shards (dq/dk/dv ~100% off, measured); integrations/sdpa.py must refuse "
-                   "to install over CP's wrapper (reported for issue 13)")
 def test_context_parallel_enabled_inside_is_not_silently_wrong(ranks, references):
     _, ref_grads = references["seq"]
     for res in ranks:
@@ -322,8 +319,6 @@ def test_context_parallel_enabled_inside_is_not_silently_wrong(ranks, references
             assert _rel(g, ref) < 0.02
 
 
-@pytest.mark.xfail(strict=True, reason="after enable() inside context_parallel, disable() restores CP's wrapper "
-                   "as F.scaled_dot_product_attention (CP's exit could not); reported for issue 13")
 def test_disable_after_enable_inside_context_parallel_restores_the_builtin(ranks):
     for res in ranks:
         assert res["cp"]["sdpa_after_disable_is_builtin"]

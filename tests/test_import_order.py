@@ -56,12 +56,8 @@ def test_find_spec_torch_before_import(userbase):
     assert (torch_first, state, patched) == (False, "enabled", True)
 
 
-TRANSFORMERS_FIX = ("needs the lead's change to gproj_patch/integrations/transformers.py: install() must not call "
-                    "_register() while transformers.modeling_utils is only partially initialized (use "
-                    "import_hooks.imported(), see the report of the import-order work)")
 
 
-@pytest.mark.xfail(strict=True, reason=TRANSFORMERS_FIX)
 def test_import_transformers_first(userbase):
     """torch is first imported from inside transformers.modeling_utils: enable() runs while that module is
     half executed, so "gproj" must wait for the end of its import."""

@@ -10,7 +10,6 @@ from gproj_patch.ops import masks as gp_masks
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.backends.spec import MaskSpec
 
-from torch.nn.functional import scaled_dot_product_attention as bound_before_enable  # patched by enable() too
 
 
 def unpatched_sdpa(*args, **kwargs):
@@ -344,3 +343,22 @@ def test_empty_inputs_take_the_original_path(shape):
     assert torch.equal(out, unpatched_sdpa(q, k, v))
     out.sum().backward()
     assert gproj_patch.stats()["fp32"] == gproj_patch.stats()["gproj"] == 0
+
+
+def test_left_padded_causal_mask_reaches_the_kernel_as_varlen(monkeypatch):
+    """HF-style left padding (padded query rows have zero dO, padded keys masked for every live row): the SDPA
+    hook hands it to the kernel as varlen segments (exact) instead of the FP32 tier; gradients vs fp64."""
+    monkeypatch.setenv("GPROJ_TIER", "triton")  # the kernel on CPU fp16, through Triton's interpreter
+    B, H, S, D = 2, 2, 24, 16
+    pads = [0, 7]
+    q, k, v, do = _inputs(torch.float16, B=B, H=H, Sq=S, D=D, offset=32.0)
+    mask = torch.zeros(B, 1, S, S, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        mask[b, 0, p:, p:] = torch.ones(S - p, S - p, dtype=torch.bool).tril()
+        do[b, :, :p] = 0
+    F.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(do)
+    s = gproj_patch.stats()
+    assert s["gproj"] == 1 and not any("attn_mask" in r for r in s["fallback_reasons"]), s
+    ref = reference_backward(q.detach(), k.detach(), v.detach(), do, attn_mask=mask)
+    for got, want in zip((q.grad, k.grad, v.grad), ref):
+        assert _rel(got, want) < 4 * 2.0 ** -11

@@ -10,6 +10,7 @@ transformers 5.17 (H200) and 5.24 (CPU); triton 3.6.0.
 | ``fused_sdpa_lse(grad_fn)`` | ``ScaledDotProduct{Cudnn,Flash,FlashForCpu,Efficient}AttentionBackward0`` and their ``_saved_logsumexp`` / ``_saved_log_sumexp`` | SDPA hook |
 | ``custom_op_def(qualname)`` | ``torch._library.custom_ops.OPDEFS``; ``CustomOpDef._backend_fns``, ``_init_fn``, ``_abstract_fn`` | flash-attn hook |
 | ``hf_registry_mapping(registry)`` | ``transformers`` ``AttentionInterface._global_mapping`` (and the mask interface's) | HF hook |
+| ``is_context_parallel_wrapper(fn)`` | ``torch.distributed.tensor.experimental._context_parallel._attention._replaced_functions`` | SDPA hook |
 | ``triton_interpreter_index_patch()`` | ``triton.runtime.interpreter._patch_lang_tensor`` | Triton kernel on CPU |
 
 This module imports nothing from the rest of the package.
@@ -103,6 +104,23 @@ def hf_registry_mapping(registry) -> dict:
     if not isinstance(mapping, dict):
         raise CompatError(f"{registry!r} has no dict _global_mapping: transformers changed its registries")
     return mapping
+
+
+# ---- context parallel ---------------------------------------------------------------------------------------
+_CP_MODULES = ("torch.distributed.tensor.experimental._context_parallel._attention",
+               "torch.distributed.tensor.experimental._attention")
+
+
+def is_context_parallel_wrapper(fn) -> bool:
+    """True when ``fn`` is the SDPA wrapper ``torch.distributed.tensor.experimental.context_parallel`` installs
+    while its context is open (only modules already imported are asked: CP imported them if it is active)."""
+    import sys
+    for name in _CP_MODULES:
+        module = sys.modules.get(name)
+        replaced = getattr(module, "_replaced_functions", None) if module is not None else None
+        if isinstance(replaced, dict) and fn in replaced:
+            return True
+    return False
 
 
 # ---- Triton's interpreter ----------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function
 
 from .. import telemetry
+from ..backends import compat
 from ..ops import sdpa as sdpa_op
 
 logger = logging.getLogger("gproj_patch")
@@ -212,6 +213,10 @@ def install() -> str:
     if _saved is not None:
         return "installed"
     current = F.scaled_dot_product_attention
+    if compat.is_context_parallel_wrapper(current):
+        logger.warning("context_parallel is active: the SDPA hook is not installed inside it (its backward would "
+                       "be computed from local shards); call enable() before entering context_parallel")
+        return "skipped: context_parallel is active; enable() before entering it"
     ours = getattr(current, "__gproj_patched__", False)
     _saved = current
     sdpa_op.set_original(None if ours else current)

@@ -137,14 +137,14 @@ def install() -> str:
     global _pending
     if _saved is not None or _pending is not None:
         return "installed"
-    if "transformers.modeling_utils" in sys.modules:
+    from ..import_hooks import call_after_import, imported
+    if imported("transformers.modeling_utils"):  # in sys.modules but still executing does not count
         return _register()
     try:
         if importlib.util.find_spec("transformers") is None:
             return "skipped: transformers not installed"
     except (ImportError, ValueError) as exc:
         return f"skipped: transformers not importable ({exc})"
-    from ..import_hooks import call_after_import
     _pending = call_after_import("transformers.modeling_utils", _register_on_import)
     return "installed (registers when transformers.modeling_utils is imported)"
 

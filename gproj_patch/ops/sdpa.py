@@ -28,7 +28,7 @@ from ..config import Config
 from ..record import CallRecord, Problem, make_context
 from ..layer_context import backward_ran
 from ..router import BackwardTensors, run_backward
-from .masks import mask_as_flags, padding_as_flags
+from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 
 C_SDPA = torch._C._nn.scaled_dot_product_attention
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -112,7 +112,15 @@ class _SdpaFunction(torch.autograd.Function):
             def original():
                 return torch.autograd.grad(inner, aliases, do)
         tensors, record = backward_tensors(ctx.record, do, q, k, v, out, lse)
-        grads = run_backward(record, tensors, original)
+        pad = None
+        if record.problem.padded:  # not right padding: maybe left padding, as varlen segments (exact)
+            pad = padding_as_varlen(record.problem.attn_mask, do, q.shape[2], k.shape[2], empty_rows_inert=True)
+        if pad is None:
+            grads = run_backward(record, tensors, original)
+        else:
+            tensors, packed = packed_call(pad, record.problem, do=do, q=q, k=k, v=v, out=out, lse=lse)
+            packed_original = None if original is None else (lambda: tuple(pad.pack(g) for g in original()))
+            grads = unpack_grads(pad, run_backward(CallRecord(packed, record.context), tensors, packed_original))
         ctx.inner = None
         return grads[0], grads[1], grads[2], None, None, None, None, None
 
