@@ -8,7 +8,8 @@
 on CUDA: ``TestSDPACudaOnly`` (its gradient tests ``test_flash_attention_vs_math_ref_grads`` and
 ``test_mem_efficient_attention_vs_math_ref_grads`` reduced to a deterministic subset that keeps every value of
 every parameter, with extra dropout and head_dim 8/16 instances; its other tests, forward and backward, mostly
-whole) plus the CUDA instances of ``TestSDPA``, ``TestSDPAFailureModes`` and ``TestAttnBias``: about 550 tests.
+whole) plus the CUDA instances of ``TestSDPA``, ``TestSDPAFailureModes``, ``TestAttnBias`` and ``TestTransformers``:
+about 720 tests.
 Both arms run at once on the one GPU.
 
 ``fa4``: flash-attention's ``tests/cute/test_flash_attn.py`` (tests/external/vendor/fa4) against flash-attn-4:
@@ -39,7 +40,8 @@ import harness  # noqa: E402
 TORCH_FILE = REPO / "tests" / "external" / "vendor" / "torch" / "test_transformers.py"
 FA4_FILE = REPO / "tests" / "external" / "vendor" / "fa4" / "test_flash_attn.py"
 
-TORCH_CLASSES = ("TestSDPACudaOnlyCUDA", "TestSDPACUDA", "TestSDPAFailureModesCUDA", "TestAttnBiasCUDA")
+TORCH_CLASSES = ("TestSDPACudaOnlyCUDA", "TestSDPACUDA", "TestSDPAFailureModesCUDA", "TestAttnBiasCUDA",
+                 "TestTransformersCUDA")
 # Per-function selection (tests/external/gproj_plugin.py ``select``); functions not named run whole.
 TORCH_RULES = {
     # 6912 instances: head_dim 8/203/256, dropout 0/0.22/0.48, GQA, causal, fp16/bf16, batch, lengths.
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
         return 2
     print(_versions(), flush=True)
     work = out / "work"
+    env = dict(env, PYTORCH_PRINT_REPRO_ON_FAILURE="0")
     arms = {"off": {"patch": False, "env": env}, "on": {"patch": True, "env": env}}
     if args.collect_only:
         arms = {"off": arms["off"]}
