@@ -58,9 +58,12 @@ TIMEOUT_S = 1500
 _TORCHSCRIPT = ("torch.jit.script of nn.MultiheadAttention (alone or inside nn.TransformerEncoder[Layer]) fails "
                 "under enable(): TorchScript compiles F.multi_head_attention_forward, resolves its global "
                 "scaled_dot_product_attention to the Python wrapper and tries to script it (TypeError: ... got "
-                "builtin_function_or_method; a later script in the same process then fails with 'Can't redefine "
-                "method: forward'). The builtin is scriptable; the wrapper must be too (e.g. registered as the "
-                "TorchScript builtin aten::scaled_dot_product_attention, i.e. scripted code runs the original).")
+                "builtin_function_or_method), and the failed compile poisons TorchScript for the process: every "
+                "later script of MHA fails with 'Can't redefine method: forward', even after disable(). Repro: "
+                "gproj_patch.enable(); torch.jit.script(torch.nn.MultiheadAttention(8, 2)). (Scripted before "
+                "enable(), MHA stays scriptable: the compiled F.multi_head_attention_forward is cached.) The "
+                "builtin is scriptable; the wrapper must be too, e.g. registered as the TorchScript builtin "
+                "aten::scaled_dot_product_attention, so that scripted code runs the original.")
 KNOWN_SHIM_FAILURES: dict = {
     "TestTransformersCPU::test_script_encoder_subclass_cpu": _TORCHSCRIPT,
     "TestTransformersCPU::test_script_mha_in_proj_weight_none_cpu": _TORCHSCRIPT,
