@@ -112,6 +112,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "external_out"))
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds for all arms together")
     ap.add_argument("--collect-only", action="store_true", help="print the selection, run nothing")
+    ap.add_argument("--leak-check", action="store_true",
+                    help="PYTORCH_TEST_CUDA_MEM_LEAK_CHECK=1 in both arms (PyTorch's own check of CUDA memory "
+                    "before and after each test of the classes that ask for it, TestSDPACudaOnly and "
+                    "TestTransformers); the arms then run one after the other (the check's confirmation reads "
+                    "the whole device's free memory)")
     ap.add_argument("--test-file", type=Path, help="another copy of the suite's file (a dry run of this machinery "
                     "on a CPU uses one whose CUDA classes are instantiated for the CPU)")
     ap.add_argument("--classes", help="comma list replacing the suite's classes (torch)")
@@ -131,6 +136,9 @@ def main(argv=None) -> int:
     print(_versions(), flush=True)
     work = out / "work"
     env = dict(env, PYTORCH_PRINT_REPRO_ON_FAILURE="0")
+    if args.leak_check:
+        env["PYTORCH_TEST_CUDA_MEM_LEAK_CHECK"] = "1"
+        concurrent = False
     arms = {"off": {"patch": False, "env": env}, "on": {"patch": True, "env": env}}
     if args.collect_only:
         arms = {"off": arms["off"]}

@@ -34,8 +34,9 @@ install() {  # wheels -> $SITE (no network there; --target skips .pth files, PYT
 run_suite() {  # $1 = torch | fa4
     local suite=$1 t0=$SECONDS rc
     echo "=== $suite: benchmarks/external_gpu.py $suite --deadline $DEADLINE"
+    # shellcheck disable=SC2086  # EXTERNAL_ARGS: more options of external_gpu.py, e.g. --leak-check
     timeout $((DEADLINE + 60)) python3 benchmarks/external_gpu.py "$suite" --out "$OUT/$suite" \
-        --deadline "$DEADLINE" 2>&1 | tee "$OUT/$suite.log"
+        --deadline "$DEADLINE" ${EXTERNAL_ARGS:-} 2>&1 | tee "$OUT/$suite.log"
     rc=${PIPESTATUS[0]}
     # $OUT brings back at most 8 files, 2 folders deep: bundle the per-arm files
     [ -f "$OUT/$suite/summary.txt" ] && mv "$OUT/$suite/summary.txt" "$OUT/${suite}_summary.txt"
