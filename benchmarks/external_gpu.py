@@ -150,10 +150,14 @@ def main(argv=None) -> int:
         print(f"RUN FAILED: {exc}")
         return 2
     if args.collect_only:
+        import gproj_plugin
+
         selected = result["off"]["selected"] or []
+        bases = gproj_plugin._base_names(str(test_file))
         counts: dict = {}
         for name in selected:
-            key = name.split("[")[0]
+            scope, _, test = name.partition("::")
+            key = f"{scope}::{gproj_plugin.function_of(test.split('[')[0], bases)}"
             counts[key] = counts.get(key, 0) + 1
         print(f"{len(selected)} selected")
         for key, n in sorted(counts.items()):
