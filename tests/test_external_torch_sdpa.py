@@ -53,23 +53,11 @@ _ENV = {"OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "PYTORCH_PRINT_REPRO_ON_FAIL
 ARMS = {"off": {"patch": False, "env": _ENV}, "on": {"patch": True, "env": _ENV}}
 TIMEOUT_S = 1500
 
-# "Class::test" -> why it fails only with the patch (a shim defect the lead is fixing). Strict: an entry that
-# passes with the patch again, or is no longer selected, fails the runner until it is removed here.
-_TORCHSCRIPT = ("torch.jit.script of nn.MultiheadAttention (alone or inside nn.TransformerEncoder[Layer]) fails "
-                "under enable(): TorchScript compiles F.multi_head_attention_forward, resolves its global "
-                "scaled_dot_product_attention to the Python wrapper and tries to script it (TypeError: ... got "
-                "builtin_function_or_method), and the failed compile poisons TorchScript for the process: every "
-                "later script of MHA fails with 'Can't redefine method: forward', even after disable(). Repro: "
-                "gproj_patch.enable(); torch.jit.script(torch.nn.MultiheadAttention(8, 2)). (Scripted before "
-                "enable(), MHA stays scriptable: the compiled F.multi_head_attention_forward is cached.) The "
-                "builtin is scriptable; the wrapper must be too, e.g. registered as the TorchScript builtin "
-                "aten::scaled_dot_product_attention, so that scripted code runs the original.")
-KNOWN_SHIM_FAILURES: dict = {
-    "TestTransformersCPU::test_script_encoder_subclass_cpu": _TORCHSCRIPT,
-    "TestTransformersCPU::test_script_mha_in_proj_weight_none_cpu": _TORCHSCRIPT,
-    "TestTransformersCPU::test_transformerencoderlayer_subclass_cpu": _TORCHSCRIPT,
-    "TestTransformersCPU::test_transformerencoderlayer_subclass_model_cpu": _TORCHSCRIPT,
-}
+# "Class::test" -> why it fails only with the patch (a shim defect being fixed). Strict: an entry that passes with
+# the patch again, or is no longer selected, fails the runner until it is removed here. The last entries (torch.jit
+# scripting nn.MultiheadAttention under enable()) were fixed by registering the wrapper as TorchScript's
+# aten::scaled_dot_product_attention (tests/test_transparency.py).
+KNOWN_SHIM_FAILURES: dict = {}  # the TorchScript defect (scripting nn.MultiheadAttention) is fixed
 
 
 @pytest.fixture(scope="module")

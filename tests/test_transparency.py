@@ -155,3 +155,19 @@ def test_patched_gradients_still_match_fp64_under_a_mode():
     ref = reference_backward(q.detach(), k.detach(), v.detach(), do, causal=True)
     for got, want in zip((q.grad, k.grad, v.grad), ref):
         assert ((got.double() - want).norm() / want.norm()).item() < 5e-3
+
+
+def test_torchscript_of_multihead_attention_works_patch_on_and_after():
+    """PyTorch's own TestTransformers scripts nn.MultiheadAttention: TorchScript compiles
+    F.multi_head_attention_forward, which reads F.scaled_dot_product_attention — the wrapper while enabled. It
+    must compile (as the aten op, the original forward) and keep working after disable()."""
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    want = mha(x, x, x)[0]
+    gproj_patch.enable(targets=("sdpa",))
+    scripted = torch.jit.script(mha)
+    assert torch.allclose(scripted(x, x, x)[0], want, atol=1e-6)
+    gproj_patch.disable()
+    assert torch.allclose(scripted(x, x, x)[0], want, atol=1e-6)
+    fresh = torch.jit.script(torch.nn.MultiheadAttention(8, 2, batch_first=True).eval())
+    assert fresh(x, x, x)[0].shape == want.shape

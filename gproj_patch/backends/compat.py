@@ -11,6 +11,7 @@ transformers 5.17 (H200) and 5.24 (CPU); triton 3.6.0.
 | ``custom_op_def(qualname)`` | ``torch._library.custom_ops.OPDEFS``; ``CustomOpDef._backend_fns``, ``_init_fn``, ``_abstract_fn`` | flash-attn hook |
 | ``hf_registry_mapping(registry)`` | ``transformers`` ``AttentionInterface._global_mapping`` (and the mask interface's) | HF hook |
 | ``is_context_parallel_wrapper(fn)`` | ``torch.distributed.tensor.experimental._context_parallel._attention._replaced_functions`` | SDPA hook |
+| ``register_torchscript_builtin(fn, op)`` | ``torch.jit._builtins._register_builtin`` | SDPA hook (TorchScript) |
 | ``triton_interpreter_index_patch()`` | ``triton.runtime.interpreter._patch_lang_tensor`` | Triton kernel on CPU |
 
 This module imports nothing from the rest of the package.
@@ -121,6 +122,18 @@ def is_context_parallel_wrapper(fn) -> bool:
         if isinstance(replaced, dict) and fn in replaced:
             return True
     return False
+
+
+# ---- TorchScript -------------------------------------------------------------------------------------------
+def register_torchscript_builtin(fn, op: str) -> None:
+    """Make TorchScript compile calls of the Python function ``fn`` as the aten op ``op`` (what it does for the
+    builtins it knows): scripted code that reaches ``fn`` through a module global (``F.multi_head_attention_forward``
+    calling the patched ``F.scaled_dot_product_attention``) runs the op instead of failing to compile ``fn``."""
+    try:
+        from torch.jit._builtins import _register_builtin
+    except ImportError as exc:
+        raise CompatError(f"torch.jit._builtins._register_builtin is gone ({exc})") from exc
+    _register_builtin(fn, op)
 
 
 # ---- Triton's interpreter ----------------------------------------------------------------------------------

@@ -218,6 +218,8 @@ def install() -> str:
                        "be computed from local shards); call enable() before entering context_parallel")
         return "skipped: context_parallel is active; enable() before entering it"
     ours = getattr(current, "__gproj_patched__", False)
+    # TorchScript scripts F.multi_head_attention_forward, which reads this name: compile the wrapper as the aten op
+    compat.register_torchscript_builtin(scaled_dot_product_attention, "aten::scaled_dot_product_attention")
     _saved = current
     sdpa_op.set_original(None if ours else current)
     F.scaled_dot_product_attention = scaled_dot_product_attention
