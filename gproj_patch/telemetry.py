@@ -22,6 +22,8 @@ TIERS = ("original", "gproj", "fp32")
 def shape_class(source: str, q=None, k=None) -> Tuple:
     if q is None:
         return (source,)
+    if getattr(q, "is_nested", False) or getattr(k, "is_nested", False):  # nested tensors have no sizes
+        return (source, q.device.type, str(q.dtype).replace("torch.", ""), "nested")
     gqa = k is not None and k.dim() == q.dim() and k.shape[-3] != q.shape[-3]
     return (source, q.device.type, str(q.dtype).replace("torch.", ""), int(q.shape[-1]), "gqa" if gqa else "mha")
 

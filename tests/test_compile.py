@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gproj_patch
 
@@ -72,3 +73,21 @@ def test_custom_ops_opcheck():
     do = torch.randn(out.shape, generator=g).bfloat16()
     torch.library.opcheck(gp._sdpa_bwd, (do, q, k, v, out, lse, None, aux, True, None),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_output_keeps_the_query_layout():
+    """Under torch.compile the hooked SDPA returns its output in q's dimension order (cuDNN's contract, checked by
+    PyTorch's test_cudnn_attention_preserves_query_layout), eager and compiled alike."""
+    import itertools
+    gproj_patch.enable(targets=("sdpa",))
+    for order in itertools.permutations([0, 1, 2]):
+        perm = list(order) + [3]
+        rev = [perm.index(i) for i in range(4)]
+        shape = [[2, 4, 16, 8][i] for i in perm]
+        q, k, v = (torch.randn(*shape, dtype=torch.bfloat16).permute(rev).requires_grad_() for _ in range(3))
+        fn = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), backend="aot_eager",
+                           fullgraph=True)
+        out = fn(q, k, v)
+        assert out.permute(perm).is_contiguous(), perm
+        assert torch.equal(out, torch._C._nn.scaled_dot_product_attention(q, k, v))
+        out.float().sum().backward()

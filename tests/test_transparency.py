@@ -171,3 +171,21 @@ def test_torchscript_of_multihead_attention_works_patch_on_and_after():
     assert torch.allclose(scripted(x, x, x)[0], want, atol=1e-6)
     fresh = torch.jit.script(torch.nn.MultiheadAttention(8, 2, batch_first=True).eval())
     assert fresh(x, x, x)[0].shape == want.shape
+
+
+def test_nested_tensors_pass_through_with_the_originals_behaviour():
+    """Nested (jagged) inputs: whatever the original does (result or error), the patched call does the same;
+    the reason is counted without asking the nested tensor for sizes it does not have."""
+    def call():
+        q = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged,
+                                       dtype=torch.float16, requires_grad=True).transpose(1, 2)
+        try:
+            return ("ok", F.scaled_dot_product_attention(q, q, q).values().detach())
+        except Exception as exc:  # noqa: BLE001 - the original's error is the expected outcome
+            return (type(exc).__name__, str(exc).split("\n")[0])
+    torch.manual_seed(0)
+    want = call()
+    gproj_patch.enable(targets=("sdpa",))
+    torch.manual_seed(0)
+    got = call()
+    assert got[0] == want[0] and (torch.equal(got[1], want[1]) if got[0] == "ok" else got[1] == want[1])

@@ -66,7 +66,6 @@ DK_FORMS = ("two_product", "fused")
 def full_fp32():
     """fp32 matmuls at full precision inside: TF32 off on CUDA and autocast off (a backward run inside
     ``torch.autocast`` would otherwise cast these matmuls to BF16); the previous settings are restored."""
-    prev = torch.get_float32_matmul_precision()
     with contextlib.ExitStack() as stack:
         for device_type in ("cuda", "cpu"):
             try:
@@ -75,11 +74,36 @@ def full_fp32():
                 on = False
             if on:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
+        stack.enter_context(_ieee_matmuls())
+        yield
+
+
+@contextlib.contextmanager
+def _ieee_matmuls():
+    """IEEE fp32 matmuls inside, the caller's settings restored after. Through the per-backend settings
+    (``torch.backends.<backend>.matmul.fp32_precision``) where this torch has them: the legacy global getter
+    raises once an application has used those (PyTorch refuses to read a mix of the two APIs)."""
+    backends = [b for b in (getattr(torch.backends.cuda, "matmul", None),
+                            getattr(getattr(torch.backends, "mkldnn", None), "matmul", None))
+                if b is not None and hasattr(b, "fp32_precision")]
+    if not backends:  # torch without the per-backend API
+        prev = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")
         try:
             yield
         finally:
             torch.set_float32_matmul_precision(prev)
+        return
+    prev = [b.fp32_precision for b in backends]
+    for b in backends:
+        if b.fp32_precision not in ("ieee", "none"):
+            b.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        for b, p in zip(backends, prev):
+            if b.fp32_precision != p:
+                b.fp32_precision = p
 
 
 def _full_fp32(fn):

@@ -4,8 +4,8 @@ Inputs may be BF16/FP16 (taken at their exact values) or FP32; results are fp32 
 Work is chunked over queries: one chunk holds (B', Hq, chunk, Sk) fp32 blocks, the chunk length chosen so a
 handful of such blocks fit ``memory_budget`` bytes (default 256 MiB on a CPU; on CUDA an eighth of the free
 device memory, at most 2 GiB, because tall chunks keep the fp32 GEMMs efficient), so memory is O(chunk·Sk) per (b, h),
-never S×S for large S. TF32 is disabled for these matmuls (``torch.set_float32_matmul_precision("highest")``
-inside the call, restored afterwards).
+never S×S for large S. TF32 is disabled for these matmuls (IEEE fp32 through the per-backend
+``fp32_precision`` settings inside the call, restored afterwards; ``emulation.full_fp32``).
 
 Backward of one query chunk (full key rows, so the softmax is exact in fp32 without a saved LSE):
 

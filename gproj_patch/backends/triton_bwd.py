@@ -107,6 +107,8 @@ CONFIGS = {  # chosen by benchmarks/device_check.py --sweep on the H200 (BENCHMA
 MIN_BLOCK_D = 16
 #: largest head dim the kernels take
 MAX_HEAD_DIM = 256
+#: CUDA's limit on a launch grid's y and z sizes (the kernels put heads, batch and batch·heads there)
+GRID_YZ_MAX = 65535
 _INTERP_BLOCK = 16
 #: tests and benchmarks set this to fill dense outputs with NaN before the launch (checks every element is written)
 _POISON_OUTPUTS = False
@@ -198,6 +200,8 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return f"head_dim={d}" if d > MAX_HEAD_DIM else "head dims differ"
     if d < 1:
         return f"head_dim={d}"
+    if q.shape[0] * q.shape[1] > GRID_YZ_MAX:
+        return f"batch·heads = {q.shape[0] * q.shape[1]} > {GRID_YZ_MAX} (CUDA grid limit)"
     sink_reason = sink_unsupported_reason(sink, q, softcap=float(softcap))
     if sink_reason is not None:
         return sink_reason

@@ -83,6 +83,11 @@ def scaled_dot_product_attention(*args, **kwargs):
         return sdpa_op.original_sdpa()(*args, **kwargs)
     relevant = tuple(a for a in args[:4] if a is not None) + \
         tuple(kwargs[n] for n in _TENSOR_ARGS if kwargs.get(n) is not None)
+    if any(getattr(t, "is_nested", False) for t in relevant):
+        # nested tensors dispatch on the builtin itself (their table is keyed by it): hand the call over untouched
+        if torch.is_grad_enabled():
+            telemetry.record_forward("original", "sdpa: nested tensors", telemetry.shape_class("sdpa", *relevant[:2]))
+        return sdpa_op.original_sdpa()(*args, **kwargs)
     if has_torch_function(relevant):
         return _dispatch_override(relevant, args, kwargs)
     _reentry.count = getattr(_reentry, "count", 0) + 1

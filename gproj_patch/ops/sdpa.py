@@ -136,6 +136,9 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Op
         return "empty input"
     if dropout_p > 0.0:
         return "dropout > 0 (the fused kernel's dropout mask cannot be replayed by another backward)"
+    if q.is_cuda and torch.are_deterministic_algorithms_enabled():
+        return ("torch.use_deterministic_algorithms is on: the original runs its own determinism check (PyTorch's "
+                "fused backwards warn or raise there)")
     if attn_mask is not None and is_causal:
         return "attn_mask together with is_causal (the original decides what that means)"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
