@@ -41,6 +41,15 @@ class BackwardTensors:
     dead_rows: Optional[torch.Tensor] = None  # (B, Sq) bool: rows with zero dO outside the flags (LSE := +inf)
 
 
+def graph_backward(kept, do: torch.Tensor) -> Optional[Callable[[], Grads]]:
+    """The caller's own backward, from an inner graph a forward kept as ``(output, (q, k, v) aliases)``
+    (``torch.autograd.grad`` on it *is* the original fused backward), or None when nothing was kept."""
+    if kept is None:
+        return None
+    inner, aliases = kept
+    return lambda: torch.autograd.grad(inner, aliases, do)
+
+
 def kernel_reason(t: BackwardTensors, problem: Problem) -> Optional[str]:
     """Why the GProj Triton kernel cannot take this backward (None when it can)."""
     if problem.dropout_p > 0.0:

@@ -34,7 +34,7 @@ from .. import telemetry
 from ..backends.spec import LOW_PRECISION, default_scale
 from ..config import Config
 from ..record import CallRecord, Problem, make_context
-from ..router import BackwardTensors, run_backward
+from ..router import BackwardTensors, graph_backward, run_backward
 from .flex_masks import NO_MASK, BlockStructure, MaskVerdict, analyse
 from .sdpa import _detach_pack, _identity_unpack
 
@@ -220,12 +220,7 @@ class _FlexFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        original = None
-        if ctx.inner is not None:
-            inner, aliases = ctx.inner
-
-            def original():
-                return torch.autograd.grad(inner, aliases, do)
+        original = graph_backward(ctx.inner, do)
         grads = routed_backward(ctx.record, do, q, k, v, out, lse, original)
         ctx.inner = None
         return grads[0], grads[1], grads[2], None, None

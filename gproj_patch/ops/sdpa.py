@@ -27,7 +27,7 @@ from ..backends.spec import LOW_PRECISION, default_scale
 from ..config import Config
 from ..record import CallRecord, Problem, make_context
 from ..layer_context import backward_ran
-from ..router import BackwardTensors, run_backward
+from ..router import BackwardTensors, graph_backward, run_backward
 from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 
 C_SDPA = torch._C._nn.scaled_dot_product_attention
@@ -105,12 +105,7 @@ class _SdpaFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        original = None
-        if ctx.inner is not None:
-            inner, aliases = ctx.inner
-
-            def original():
-                return torch.autograd.grad(inner, aliases, do)
+        original = graph_backward(ctx.inner, do)
         tensors, record = backward_tensors(ctx.record, do, q, k, v, out, lse)
         pad = None
         if record.problem.padded:  # not right padding: maybe left padding, as varlen segments (exact)
