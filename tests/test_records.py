@@ -104,3 +104,25 @@ def test_flash_attn_backward_without_forward_record_is_reported(monkeypatch):
     gproj_patch.enable(mode="gproj", targets=("flash_attn",))
     iface._flash_attn_bwd(q, k, v, out, torch.ones_like(out), lse, causal=True)
     assert any("no forward record" in r for r in gproj_patch.stats()["fallback_reasons"])
+
+
+def test_flash_attn_disable_between_forward_and_backward_changes_nothing(monkeypatch):
+    """flash-attn's backward kernels are process-global: disable() keeps the corrected backward reachable until
+    the forwards made under the patch have had their backward, then restores the originals by identity."""
+    iface, func = _fake_fa4(monkeypatch)
+    original = iface._flash_attn_bwd
+    gproj_patch.enable(mode="fp32", targets=("flash_attn",))
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in _inputs(offset=64.0))
+    with gproj_patch.layer_scope("blk.3"):
+        out = func.apply(q, k, v, True, None)
+    gproj_patch.disable()
+    assert iface._flash_attn_bwd is not original  # a forward made under the patch still awaits its backward
+    out.float().sum().backward()
+    assert gproj_patch.stats()["fp32"] == 1  # its record's mode, after disable()
+    del out
+    import gc
+    gc.collect()
+    assert iface._flash_attn_bwd is original  # restored once nothing awaits it
+    q.grad = None
+    func.apply(q, k, v, True, None).float().sum().backward()  # made after disable(): the original, uncounted
+    assert gproj_patch.stats()["fp32"] == 1 and gproj_patch.stats()["original"] == 0

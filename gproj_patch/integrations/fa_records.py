@@ -21,7 +21,7 @@ import inspect
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -48,9 +48,27 @@ def _key(lse: torch.Tensor) -> Tuple[str, int]:
     return (str(lse.device), lse.data_ptr())
 
 
+_when_empty: List[Callable[[], None]] = []  # run once no record is alive (the hook's deferred restores)
+
+
 def _drop(key) -> None:
     with _lock:
         _records.pop(key, None)
+        ready = [] if _records else _when_empty[:]
+        if ready:
+            _when_empty.clear()
+    for fn in ready:
+        fn()
+
+
+def when_no_records(fn: Callable[[], None]) -> None:
+    """Run ``fn`` now if no forward record is alive, else when the last one is freed (after its backward):
+    ``disable()`` keeps the corrected backward reachable for forwards made while the patch was on."""
+    with _lock:
+        if _records:
+            _when_empty.append(fn)
+            return
+    fn()
 
 
 def remember(lse: Optional[torch.Tensor], source: str, sink: Optional[torch.Tensor] = None) -> None:
@@ -66,13 +84,21 @@ def remember(lse: Optional[torch.Tensor], source: str, sink: Optional[torch.Tens
     weakref.finalize(lse, _drop, key)
 
 
-def record_for(lse: Optional[torch.Tensor], source: str) -> ForwardRecord:
-    """The record the forward of this backward filed (else one made now, ``recorded=False``, reason logged)."""
+def find(lse: Optional[torch.Tensor]) -> Optional[ForwardRecord]:
+    """The record the forward of this backward filed, or None."""
     if isinstance(lse, torch.Tensor):
         with _lock:
             entry = _records.get(_key(lse))
         if entry is not None and entry[0]() is not None:
             return entry[1]
+    return None
+
+
+def record_for(lse: Optional[torch.Tensor], source: str) -> ForwardRecord:
+    """The record the forward of this backward filed (else one made now, ``recorded=False``, reason logged)."""
+    found = find(lse)
+    if found is not None:
+        return found
     q_class = telemetry.shape_class(source)
     telemetry.note_reason(NO_RECORD_REASON, q_class)
     return ForwardRecord(context=make_context(source, layer=source), recorded=False)

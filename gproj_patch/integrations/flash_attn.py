@@ -49,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import telemetry
+from .. import config, telemetry
 from ..backends import compat
 from ..backends.spec import sink_unsupported_reason
 from ..record import CallRecord, Problem
@@ -158,6 +158,8 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
     with the op's own shape; ``forward_takes_sink``: the library's forward accepts a learnable sink."""
     q, k, v = _arg(b, "q"), _arg(b, "k"), _arg(b, "v")
     lse = _arg(b, "softmax_lse", "lse")
+    if fa_records.find(lse) is None and config.active() is None:
+        return original()  # disable() ran and this forward was not made under the patch: the original, untouched
     forward = fa_records.record_for(lse, source)
     context = forward.context
     varlen = _arg(b, "cu_seqlens_q") is not None
@@ -230,7 +232,7 @@ def _register(opdef, device_type: str, kernel: Callable) -> Callable[[], None]:
     opdef.register_kernel(device_type)(kernel)
 
     def restore():
-        if compat.custom_op_kernel(opdef, device_type) is not previous:
+        if compat.custom_op_kernel(opdef, device_type) is not previous:  # put back only over our own
             compat.set_custom_op_kernel(opdef, device_type, previous)
     return restore
 
@@ -303,6 +305,7 @@ def _has_kernel(qualname: str) -> bool:
 def install() -> str:
     if _installed:
         return "installed"
+    _finish_draining()  # a previous disable() still waiting: put the originals back first, then patch anew
     for mod in FA_MODULES:
         if _importable(mod):
             try:
@@ -335,7 +338,28 @@ def install() -> str:
     return "installed: " + ", ".join(done)
 
 
+def _is_backward(what: str) -> bool:
+    return what in FA2_OPS + FA3_OPS or what.endswith("." + FA4_FN)
+
+
 def uninstall() -> None:
+    """Restore the forwards now; the backwards once no forward made under the patch awaits its backward (that
+    backward gets what its forward recorded, as on the SDPA paths)."""
+    deferred = []
     while _installed:
-        _what, restore = _installed.pop()
-        restore()
+        what, restore = _installed.pop()
+        if _is_backward(what):
+            deferred.append(restore)
+        else:
+            restore()
+    if deferred:
+        _draining.extend(deferred)
+        fa_records.when_no_records(_finish_draining)
+
+
+_draining: List[Callable[[], None]] = []  # backward restores waiting for the records of forwards made while on
+
+
+def _finish_draining() -> None:
+    while _draining:
+        _draining.pop()()
