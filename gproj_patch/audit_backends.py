@@ -168,6 +168,9 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[B
             skipped[variant] = f"{module} not importable ({type(e).__name__})"
             continue
         backends.append(Backend(variant, _flash(variant), _flash_reason))
+    from .audit_eager import eager_reason, eager_run  # HF's eager arithmetic, unpatched and through the hook
+    backends += [Backend("hf-eager-uncorrected", eager_run(False), eager_reason),
+                 Backend("hf-eager-gproj", eager_run(True), eager_reason)]
     try:  # FlexAttention: compiled flex's own backward (CUDA) and flex through the hook
         from .integrations import flex as flex_hook
         for name, run, reason in flex_hook.audit_backends(device):

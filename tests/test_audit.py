@@ -28,6 +28,7 @@ CHECK_FIELDS = {"unit_roundoff", "uncorrected_dq_min", "gproj_dq_max", "fp32_tie
                 "pass_uncorrected_leaks", "pass_gproj", "pass_fp32_tier"}
 CPU_BACKENDS = ["emulated-uncorrected", "emulated-gproj", "emulated-gproj-fused", "fp32-tier", "fp32-plain"]
 FUSED = "sdpa-flash"  # PyTorch's fused flash backward, present on the CPU too
+EAGER = ["hf-eager-uncorrected", "hf-eager-gproj"]  # HF's eager arithmetic, unpatched and through the hook
 FLEX = ["flex-uncorrected", "flex-gproj"]  # compiled flex's own backward (CUDA only: n/a here) and the hook
 
 
@@ -46,7 +47,7 @@ def quick_report(tmp_path_factory):
 def test_json_has_documented_fields(quick_report):
     doc, _, _ = quick_report
     assert TOP_FIELDS <= set(doc)
-    assert doc["backends"] == CPU_BACKENDS + [FUSED] + FLEX and doc["dtype"] == "bf16" and doc["quick"] is True
+    assert doc["backends"] == CPU_BACKENDS + [FUSED] + EAGER + FLEX and doc["dtype"] == "bf16" and doc["quick"] is True
     assert {"sdpa-efficient", "sdpa-cudnn", "fa2", "fa3", "fa4", "triton"} <= set(doc["skipped_backends"])
     assert [c["name"] for c in doc["cases"]] == [c.name for c in CASES]
     for c in doc["cases"]:
