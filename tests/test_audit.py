@@ -302,3 +302,18 @@ def test_progress_bar_on_a_terminal():
     assert proc.returncode == 0
     assert b"audit:" in err and b"\r" in err and b"[1/2]" not in err
     assert "\r" not in out and "audit:" not in out and "emulated-gproj" in out
+
+
+def test_hook_backends_are_corrected_where_the_unpatched_ones_leak(quick_report):
+    """The audit's HF-eager and flex rows (CPU): HF's eager arithmetic leaks at a 128σ key offset and on the
+    witness; through the eager and flex hooks every gauge case is within 0.5% of fp64 and the witness is 0."""
+    doc, _, _ = quick_report
+    cases = {c["name"]: c for c in doc["cases"]}
+    assert cases["key_offset_128"]["results"]["hf-eager-uncorrected"]["dq"] > 0.05
+    assert cases["witness"]["results"]["hf-eager-uncorrected"]["witness_dq0"] == -12.0  # exact value 0
+    for name in ("hf-eager-gproj", "flex-gproj"):
+        assert cases["witness"]["results"][name]["witness_dq0"] == 0.0, name
+        for c in doc["cases"]:
+            r = c["results"][name]
+            if r["status"] == "ok" and c["gauge_regime"]:
+                assert r["dq"] < 5e-3 and r["dk"] < 5e-3 and r["dv"] < 5e-3, (c["name"], name, r)
