@@ -102,6 +102,10 @@ def hf_flex_attention_forward(module, query, key, value, attention_mask, scaling
     return out.transpose(1, 2).contiguous(), None
 
 
+def _load_compiled_path() -> None:
+    from ..ops import flex_compiled  # noqa: F401
+
+
 def is_installed() -> bool:
     return _saved is not None
 
@@ -114,7 +118,10 @@ def install() -> str:
         return "skipped: this torch has no torch.nn.attention.flex_attention"
     import torch.nn.attention.flex_attention as fa_module
 
-    from ..ops import flex_compiled  # noqa: F401  (loaded before any compiled region traces the hook)
+    # the compiled path must be loaded before any compiled region traces the hook, but it imports Dynamo (about
+    # 1.3 s): load it when Dynamo is imported (torch.compile does that first), not at every enable()
+    from ..import_hooks import call_after_import
+    call_after_import("torch._dynamo", _load_compiled_path)
     current = fa_module.flex_attention
     _saved = current
     flex_op.set_original(None if getattr(current, "__gproj_patched__", False) else current)
