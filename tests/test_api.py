@@ -10,14 +10,7 @@ from gproj_patch import config, layer_context, telemetry
 from gproj_patch.backends.reference import reference_backward
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in config.ENV.values():
-        monkeypatch.delenv(var, raising=False)
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
-    yield
-    gproj_patch.disable()
+pytestmark = pytest.mark.usefixtures("patch_off")
 
 
 def _inputs(dtype=torch.bfloat16, B=1, H=2, S=16, D=16, Hkv=None, seed=0):

@@ -51,14 +51,7 @@ def run_alias(q, k, v):
 """
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in ("GPROJ_MODE", "GPROJ_TARGETS", "GPROJ_TIER"):
-        monkeypatch.delenv(var, raising=False)
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
-    yield
-    gproj_patch.disable()
+pytestmark = pytest.mark.usefixtures("patch_off")
 
 
 def _user_module(monkeypatch, name=MODULE, source=USER_SOURCE):

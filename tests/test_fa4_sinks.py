@@ -33,12 +33,7 @@ SINK_LEVELS = (-20.0, 0.0, 3.0, 8.0)  # sink logit − log(Sk) per head: P_sink 
 B, H, HKV, S, D = 1, 4, 2, 64, 32
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
-    yield
-    gproj_patch.disable()
+pytestmark = pytest.mark.usefixtures("patch_off")
 
 
 def _bhsd(t):

@@ -83,12 +83,8 @@ def _forward(q, k, v, causal, cu=None, window=(-1, -1)):
 
 
 @pytest.fixture(autouse=True)
-def _clean():
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
+def _clean(patch_off):
     CALLS.update(dense=0, varlen=0)
-    yield
-    gproj_patch.disable()
 
 
 def _rel(got, want):

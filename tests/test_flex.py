@@ -29,15 +29,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 @pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in ("GPROJ_MODE", "GPROJ_TARGETS", "GPROJ_TIER"):
-        monkeypatch.delenv(var, raising=False)
-    gproj_patch.disable()
-    hook.uninstall()
-    gproj_patch.reset_stats()
+def _clean(patch_off):
+    hook.uninstall()  # tests also install the hook directly
     yield
     hook.uninstall()
-    gproj_patch.disable()
 
 
 # ---- masks used below: module-level (pure) and closures ------------------------------------------------

@@ -17,12 +17,7 @@ from gproj_patch.integrations import flash_attn as fa_hook
 CALLS = 6
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
-    yield
-    gproj_patch.disable()
+pytestmark = pytest.mark.usefixtures("patch_off")
 
 
 def live_tensor_bytes() -> int:

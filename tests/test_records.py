@@ -11,12 +11,7 @@ from gproj_patch.ops import sdpa as sdpa_op
 from test_memory import _fake_fa4
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
-    yield
-    gproj_patch.disable()
+pytestmark = pytest.mark.usefixtures("patch_off")
 
 
 def _inputs(offset=0.0, seed=0, S=48, D=32):

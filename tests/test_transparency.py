@@ -10,12 +10,7 @@ import gproj_patch
 from gproj_patch.backends.reference import reference_backward
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
-    yield
-    gproj_patch.disable()
+pytestmark = pytest.mark.usefixtures("patch_off")
 
 
 def _qkv(dtype, sq, sk, requires_grad, seed=0, B=2, H=3, D=16):
