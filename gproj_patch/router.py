@@ -23,6 +23,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import policy, telemetry
+from .config import POLICY_MODES
 from .backends.spec import normalize_lse
 from .layer_context import backward_ran
 from .record import CallRecord, Problem
@@ -101,7 +102,7 @@ def choose_tier(record: CallRecord, t: BackwardTensors, has_original: bool) -> T
         return ("original", None) if has_original else ("fp32", f"{ctx.source}: no original backward available")
     if ctx.mode == "fp32" or ctx.tier_option == "fp32":
         return "fp32", None
-    if ctx.mode in ("auto", "audit"):
+    if ctx.mode in POLICY_MODES:
         tier = policy.decide(record, q=t.q, k=t.k, lse=t.lse)
         if tier == "original" and not has_original:
             return "fp32", f"{ctx.source}: no original backward available"

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .. import telemetry
 from ..backends.spec import LOW_PRECISION, default_scale
-from ..config import Config
+from ..config import POLICY_MODES, Config
 from ..record import CallRecord, Problem, make_context
 from ..router import BackwardTensors, graph_backward, run_backward
 from .flex_masks import NO_MASK, BlockStructure, MaskVerdict, analyse
@@ -211,7 +211,7 @@ def run_forward(call: FlexCall, q, k, v, keep_graph: bool):
 class _FlexFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: FlexCall, record: CallRecord):
-        out, lse, kept = run_forward(call, q, k, v, keep_graph=record.context.mode in ("auto", "audit"))
+        out, lse, kept = run_forward(call, q, k, v, keep_graph=record.context.mode in POLICY_MODES)
         ctx.record, ctx.inner = record, kept
         ctx.save_for_backward(q, k, v, out, lse)
         return out

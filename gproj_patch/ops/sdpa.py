@@ -24,7 +24,7 @@ from torch import Tensor
 from .. import policy, telemetry
 from ..backends.compat import fused_sdpa_lse
 from ..backends.spec import LOW_PRECISION, default_scale
-from ..config import Config
+from ..config import POLICY_MODES, Config
 from ..record import CallRecord, Problem, make_context
 from ..layer_context import backward_ran
 from ..router import BackwardTensors, graph_backward, run_backward
@@ -96,7 +96,7 @@ class _SdpaFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_mask, record: CallRecord, is_causal: bool, scale, enable_gqa: bool):
         inner, lse, aliases = run_original_with_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa)
         ctx.record = record
-        ctx.inner = (inner, aliases) if record.context.mode in ("auto", "audit") else None
+        ctx.inner = (inner, aliases) if record.context.mode in POLICY_MODES else None
         out = inner.detach()
         ctx.save_for_backward(q, k, v, out, lse)
         return out
