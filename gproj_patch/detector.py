@@ -33,7 +33,15 @@ Cost. The statistics read at most ``max_rows`` evenly strided rows of q and k pe
 S ≤ max_rows, the default 256), so the work is O(B·H·max_rows·D) — independent of the sequence length, against
 the backward's O(B·H·Sq·Sk·D). Sampled rows give statistical estimates of the means and spreads (relative error
 ~1/sqrt(max_rows·D) on the spread); in the large-key regime the offset dominates and the estimate is tight.
-All per-call summaries leave the device in one transfer (``summary()``); ``compute`` itself does not sync.
+On CUDA, ``compute`` is two Triton launches (``backends/detector_kernel.py``: one program per (batch, query
+head) reading the sampled rows of q, k and the LSE in place, then a one-program reduction to the summary
+values) and one non-blocking copy of those 7 values into pinned host memory; ``summary()`` waits for that copy's
+CUDA event only, not for the device. Not yet timed on the GPU: ``benchmarks/detector_cost.py`` times it against
+the cuDNN attention backward at B=2, H=16, S=4096, D=128 (the path it replaces, index_select gathers + a CUDA
+graph of ~40 torch kernels + ``.tolist()``, measured 0.35 ms against a 0.86 ms backward, BENCHMARKS.md).
+Inputs the kernel does not take (``detector_kernel_supported``: head dim > 256, no Triton, ...) and CPU tensors
+use the torch arithmetic ``_statistics`` on gathered rows (replayed as a CUDA graph on CUDA, option
+``detector_graph``); there ``summary()`` is one blocking transfer.
 """
 from __future__ import annotations
 
@@ -41,11 +49,11 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
-from .backends.spec import unit_roundoff
+from .backends.spec import normalize_lse, unit_roundoff
 
 DEFAULT_MAX_ROWS = 256
 _log = logging.getLogger("gproj_patch")
@@ -69,12 +77,19 @@ class AttentionStats:
     u: float
     sk: int
     worst: Optional[torch.Tensor] = None  # the summary values (SUMMARY_KEYS[:7]) already reduced on the device
+    host: Optional[torch.Tensor] = None   # kernel path: ``worst`` being copied (non-blocking) into pinned memory
+    ready: Optional[Any] = None           # ... and the CUDA event recorded after that copy
 
     def summary(self) -> Dict[str, float]:
-        """Worst case (max) over (batch, head) of every statistic, except ``lse_gap`` (mean over heads); one sync."""
-        worst = self.worst if self.worst is not None else _worst(
-            self.r_k, self.r_q, self.leak_dq, self.leak_dk, self.logit_bound, self.lse_gap, self.p_sink)
-        vals = worst.tolist()
+        """Worst case (max) over (batch, head) of every statistic, except ``lse_gap`` (mean over heads). Waits for
+        the pinned copy's event (kernel path) or makes one blocking transfer."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            vals = self.host.tolist()
+        else:
+            worst = self.worst if self.worst is not None else _worst(
+                self.r_k, self.r_q, self.leak_dq, self.leak_dk, self.logit_bound, self.lse_gap, self.p_sink)
+            vals = worst.tolist()
         out = dict(zip(SUMMARY_KEYS, vals))
         out["log_sk"] = math.log(self.sk)
         return out
@@ -149,10 +164,11 @@ def _statistics(qs: torch.Tensor, ks: torch.Tensor, k0: torch.Tensor, lse_s: Opt
     return r_k, r_q, leak_dq, leak_dk, logit_bound, lse_gap, p_sink, worst
 
 
-# On CUDA the ~40 small kernels of ``_statistics`` cost more in launches than in work. Measured on the H200
-# (benchmarks/detector_cost.py, B·H = 32, D = 128): eager 1.26 ms a call, torch.compile 0.58 ms, one replay of a
-# CUDA graph of the same arithmetic 0.24 ms (copies and the one transfer included), against a 0.84 ms attention
-# backward. The sampled shapes are fixed (max_rows), so one graph per input signature is captured and replayed.
+# The CUDA fallback (inputs the Triton kernel does not take, or after it failed). The ~40 small kernels of
+# ``_statistics`` cost more in launches than in work. Measured on the H200 (benchmarks/detector_cost.py,
+# B·H = 32, D = 128): eager 1.26 ms a call, torch.compile 0.58 ms, one replay of a CUDA graph of the same
+# arithmetic 0.24 ms (copies and the one transfer included), against a 0.84 ms attention backward. The sampled
+# shapes are fixed (max_rows), so one graph per input signature is captured and replayed.
 # The option detector_graph (GPROJ_DETECTOR_GRAPH=0) opts out; a failed capture falls back to eager for good (logged once).
 _GRAPH_CACHE_SIZE = 16
 
@@ -211,12 +227,48 @@ def _run_statistics(inputs, consts, use_graph: bool = True):
     return graphed(inputs)
 
 
+_KERNEL_STATE = {"failed": False, "logged": set()}
+
+
+def _kernel_statistics(q, k, lse, qidx, kidx, alpha: float, u: float) -> Optional[AttentionStats]:
+    """The CUDA path: ``backends/detector_kernel.py`` (two launches), then the 7 summary values copied without
+    blocking into pinned memory, with an event to wait on. None when the kernel does not take these inputs (the
+    reason logged once) or has failed before (then the caller's torch path runs)."""
+    from .backends.detector_kernel import detector_kernel_supported, head_statistics
+    supported, reason = detector_kernel_supported(q, k, lse)
+    if not supported:
+        if reason not in _KERNEL_STATE["logged"]:
+            _KERNEL_STATE["logged"].add(reason)
+            _log.info("the detector's Triton kernel does not take these inputs (%s): torch arithmetic", reason)
+        return None
+    if _KERNEL_STATE["failed"]:
+        return None
+    with torch.cuda.device(q.device):
+        try:
+            out = head_statistics(q, k, lse, scale=alpha, u=u, q_index=qidx, k_index=kidx)
+        except Exception as exc:  # e.g. a compiler failure on this GPU: the torch path from now on, said once
+            _KERNEL_STATE["failed"] = True
+            _log.warning("the detector's Triton kernel failed (%s: %s); it runs as torch arithmetic",
+                         type(exc).__name__, exc)
+            return None
+        host = ready = None
+        if not torch.cuda.is_current_stream_capturing():
+            host = torch.empty(out.worst.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(out.worst, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+    return AttentionStats(r_k=out.r_k, r_q=out.r_q, leak_dq=out.leak_dq, leak_dk=out.leak_dk,
+                          logit_bound=out.logit_bound, lse_gap=out.lse_gap, p_sink=out.p_sink, u=u,
+                          sk=k.shape[2], worst=out.worst, host=host, ready=ready)
+
+
 def compute(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], scale: Optional[float] = None, *,
             dtype: Optional[torch.dtype] = None, max_rows: Optional[int] = DEFAULT_MAX_ROWS,
             use_graph: bool = True) -> AttentionStats:
     """Statistics of one call. q (B, Hq, Sq, D), k (B, Hkv, Sk, D), lse (B, Hq, Sq) natural log (or any layout
     ``spec.normalize_lse`` reads; None skips the LSE statistics). ``dtype`` selects u (default q.dtype).
-    ``use_graph``: on CUDA, replay a captured CUDA graph of the arithmetic (option ``detector_graph``)."""
+    On CUDA the Triton kernel where ``detector_kernel_supported``; otherwise the torch arithmetic, where
+    ``use_graph`` replays it as a captured CUDA graph on CUDA (option ``detector_graph``)."""
     with torch.no_grad():
         B, Hq, Sq, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
@@ -226,13 +278,14 @@ def compute(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], scale
 
         qidx = _row_index(Sq, max_rows, q.device)
         kidx = _row_index(Sk, max_rows, k.device)
+        lse_n = None if lse is None else normalize_lse(lse, B, Hq, Sq)
+        if q.device.type == "cuda":
+            stats = _kernel_statistics(q, k, lse_n, qidx, kidx, alpha, u)
+            if stats is not None:
+                return stats
         qs = q if qidx is None else q.index_select(2, qidx)
         ks = k if kidx is None else k.index_select(2, kidx)
-        lse_s = None
-        if lse is not None:
-            from .backends.spec import normalize_lse
-            lse_s = normalize_lse(lse, B, Hq, Sq)
-            lse_s = lse_s if qidx is None else lse_s.index_select(2, qidx.to(lse_s.device))
+        lse_s = lse_n if lse_n is None or qidx is None else lse_n.index_select(2, qidx.to(lse_n.device))
         out = _run_statistics((qs, ks, k[:, :, 0, :], lse_s), (alpha, Hq // Hkv, u), use_graph)
         r_k, r_q, leak_dq, leak_dk, logit_bound, lse_gap, p_sink, worst = out
         return AttentionStats(r_k=r_k, r_q=r_q, leak_dq=leak_dq, leak_dk=leak_dk, logit_bound=logit_bound,
