@@ -32,10 +32,10 @@ UNIT = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.
 DEFAULT_CASE = dict(B=2, Hq=2, Hkv=2, Sq=37, Sk=37, D=32, dtype=torch.float32, k_off=0.0, q_off=0.0,
                     transposed=False, max_rows=64, lse="live", scale=None, seed=0)
 CASES = {  # name -> overrides of DEFAULT_CASE
-    "fp32_all_rows_odd_s": {},
-    "fp32_key_offset_300_sampled": dict(B=1, Sq=301, Sk=301, D=64, k_off=300.0, max_rows=32),
+    "fp32_all_rows_odd_s": dict(Sq=137, Sk=137, max_rows=256),
+    "fp32_key_offset_300_sampled": dict(B=1, Sq=301, Sk=301, D=64, k_off=300.0, max_rows=150),
     "fp16_key_offset_300_gqa_strided": dict(Hq=4, Sq=97, Sk=131, D=48, dtype=torch.float16, k_off=300.0,
-                                            q_off=20.0, transposed=True, max_rows=24, seed=1),
+                                            q_off=20.0, transposed=True, max_rows=80, seed=1),
     "fp32_gqa_strided_some_dead": dict(Hq=4, Sq=75, Sk=75, transposed=True, max_rows=16, lse="some_dead", seed=2),
     "fp16_gqa_head_all_dead": dict(Hq=4, Sq=50, Sk=50, dtype=torch.float16, max_rows=20, lse="head_dead", seed=3),
     "fp32_all_dead": dict(Sq=33, Sk=33, max_rows=8, lse="all_dead", seed=4),
@@ -205,6 +205,7 @@ def test_cases_cover_the_brief():
     assert any(c["Hq"] == 4 and c["Hkv"] == 2 for c in cases) and any(c["transposed"] for c in cases)
     assert any(c["Sq"] <= c["max_rows"] for c in cases) and any(c["Sq"] > c["max_rows"] for c in cases)
     assert any(c["Sq"] % 2 for c in cases)
+    assert any(min(c["Sq"], c["max_rows"]) > 2 * detector_kernel.MAX_BLOCK_ROWS for c in cases)  # several tiles
     assert {"some_dead", "head_dead", "all_dead", "none"} <= {c["lse"] for c in cases}
 
 

@@ -41,8 +41,12 @@ except Exception:  # pragma: no cover
 
 #: floor of a spread in the offset ratio ‖mean‖ / spread (as ``detector.offset_ratio``)
 TINY = 1e-30
-#: sampled rows per tile (compiled; the interpreter takes the same)
-BLOCK_ROWS = 32
+#: fp32 elements of one (rows, head dim) tile: rows per tile = TILE_ELEMENTS // padded head dim, clamped to
+#: [MIN_BLOCK_ROWS, MAX_BLOCK_ROWS] (64 rows at D = 128: four tiles cover the default 256 sampled rows)
+TILE_ELEMENTS = 8192
+MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 16, 64
+#: warps per program of launch 1 (a 64 x 128 fp32 tile is 32 values a thread) and of launch 2
+NUM_WARPS_HEADS, NUM_WARPS_REDUCE = 8, 4
 #: per-head values the reduction reads per step
 BLOCK_HEADS = 128
 #: largest head dim the kernel takes (one tile row holds a whole row of q or k)
@@ -89,19 +93,40 @@ if _HAS_TRITON:
         return tl.load(ptrs, mask=valid, other=0.0).to(tl.float32), valid
 
     @triton.jit
-    def _mean_and_max_norm(X, stride_s, stride_d, INDEX, n_rows, head_dim,
-                           HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Pass 1 over the sampled rows of one head: (mean row (BLOCK_D,), max row norm ‖x_i‖₂)."""
+    def _first_pass(X, stride_s, stride_d, INDEX, n_rows, head_dim, LSE, lse_stride_s, n_lse_rows, kmean, k0, alpha,
+                    WITH_LSE: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Pass 1 over the sampled rows of one head: (mean row (BLOCK_D,), max row norm ‖x_i‖₂, lse_gap, p_sink).
+
+        With ``WITH_LSE`` (query heads) the same pass reads LSE_i and averages LSE_i − α x_i·kmean and
+        exp(min(α x_i·k0 − LSE_i, 0)) over the live rows (finite LSE; rows r < n_lse_rows, so 0 reads no LSE);
+        lse_gap and p_sink are NaN when no row is live (always without ``WITH_LSE``)."""
         offs_d = tl.arange(0, BLOCK_D)
         total = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         max_sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+        gap_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        sink_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        n_live = tl.zeros([BLOCK_R], dtype=tl.float32)
         for start in range(0, n_rows, BLOCK_R):
-            pos, in_range = _sample_positions(INDEX, start + tl.arange(0, BLOCK_R), n_rows, HAS_INDEX=HAS_INDEX)
+            r = start + tl.arange(0, BLOCK_R)
+            pos, in_range = _sample_positions(INDEX, r, n_rows, HAS_INDEX=HAS_INDEX)
             x, _ = _load_rows(X, stride_s, stride_d, pos, in_range, offs_d, head_dim)
             total += x
             max_sq = tl.maximum(max_sq, tl.sum(x * x, axis=1))
+            if WITH_LSE:
+                has_lse = r < n_lse_rows
+                lse = tl.load(LSE + pos * lse_stride_s, mask=has_lse, other=float("-inf"))
+                live = has_lse & (tl.abs(lse) < float("inf"))  # -inf (sees no key), +inf and NaN rows are dead
+                lse = tl.where(live, lse, 0.0)
+                score_mean = alpha * tl.sum(x * kmean[None, :], axis=1)   # α x_i·k̄
+                score_0 = alpha * tl.sum(x * k0[None, :], axis=1)         # α x_i·k_0
+                gap_sum += tl.where(live, lse - score_mean, 0.0)
+                sink_sum += tl.where(live, tl.exp(tl.minimum(score_0 - lse, 0.0)), 0.0)
+                n_live += live.to(tl.float32)
         mean = tl.sum(total, axis=0) / n_rows
-        return mean, tl.sqrt(tl.max(max_sq, axis=0))
+        count = tl.sum(n_live, axis=0)
+        lse_gap = tl.where(count > 0, tl.sum(gap_sum, axis=0) / tl.maximum(count, 1.0), float("nan"))
+        p_sink = tl.where(count > 0, tl.sum(sink_sum, axis=0) / tl.maximum(count, 1.0), float("nan"))
+        return mean, tl.sqrt(tl.max(max_sq, axis=0)), lse_gap, p_sink
 
     @triton.jit
     def _offset_ratio(X, stride_s, stride_d, INDEX, n_rows, head_dim, mean, tiny,
@@ -116,32 +141,6 @@ if _HAS_TRITON:
             dev_sq += dev * dev
         spread = tl.sqrt(tl.sum(tl.sum(dev_sq, axis=1), axis=0) / n_rows)
         return tl.sqrt(tl.sum(mean * mean, axis=0)) / tl.maximum(spread, tiny)
-
-    @triton.jit
-    def _lse_terms(Q, stride_s, stride_d, LSE, lse_stride_s, INDEX, n_rows, head_dim, kmean, k0, alpha,
-                   HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        """(lse_gap, p_sink) of one query head: means over its live sampled rows (finite LSE), NaN when none is
-        live. ``n_rows`` = 0 (no LSE) gives NaN without reading LSE."""
-        offs_d = tl.arange(0, BLOCK_D)
-        gap_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-        sink_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-        n_live = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for start in range(0, n_rows, BLOCK_R):
-            pos, in_range = _sample_positions(INDEX, start + tl.arange(0, BLOCK_R), n_rows, HAS_INDEX=HAS_INDEX)
-            q, _ = _load_rows(Q, stride_s, stride_d, pos, in_range, offs_d, head_dim)
-            lse = tl.load(LSE + pos * lse_stride_s, mask=in_range, other=float("-inf"))
-            live = in_range & (tl.abs(lse) < float("inf"))  # -inf (sees no key), +inf and NaN rows are dead
-            lse = tl.where(live, lse, 0.0)
-            score_mean = alpha * tl.sum(q * kmean[None, :], axis=1)   # α q_i·k̄
-            score_0 = alpha * tl.sum(q * k0[None, :], axis=1)         # α q_i·k_0
-            gap_sum += tl.where(live, lse - score_mean, 0.0)
-            sink_sum += tl.where(live, tl.exp(tl.minimum(score_0 - lse, 0.0)), 0.0)
-            n_live += live.to(tl.float32)
-        count = tl.sum(n_live, axis=0)
-        denominator = tl.maximum(count, 1.0)
-        lse_gap = tl.where(count > 0, tl.sum(gap_sum, axis=0) / denominator, float("nan"))
-        p_sink = tl.where(count > 0, tl.sum(sink_sum, axis=0) / denominator, float("nan"))
-        return lse_gap, p_sink
 
     @triton.jit
     def _head_statistics(
@@ -159,21 +158,22 @@ if _HAS_TRITON:
         q_head = Q + b * sq_b + h * sq_h
         k_head = K + b * sk_b + h_kv * sk_h
 
+        offs_d = tl.arange(0, BLOCK_D)
+        no_reference = tl.zeros([BLOCK_D], dtype=tl.float32)
         # the KV head (every program of a GQA group computes the same values from the same rows)
-        kmean, kmax = _mean_and_max_norm(k_head, sk_s, sk_d, K_INDEX, n_k_rows, head_dim,
-                                         HAS_INDEX=HAS_K_INDEX, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+        kmean, kmax, _, _ = _first_pass(k_head, sk_s, sk_d, K_INDEX, n_k_rows, head_dim, LSE, sl_s, 0,
+                                        no_reference, no_reference, alpha,
+                                        WITH_LSE=False, HAS_INDEX=HAS_K_INDEX, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
         r_k = _offset_ratio(k_head, sk_s, sk_d, K_INDEX, n_k_rows, head_dim, kmean, tiny,
                             HAS_INDEX=HAS_K_INDEX, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
-        # the query head
-        qmean, qmax = _mean_and_max_norm(q_head, sq_s, sq_d, Q_INDEX, n_q_rows, head_dim,
-                                         HAS_INDEX=HAS_Q_INDEX, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+        # the query head, its LSE terms against the KV head's mean key and key 0
+        k0 = tl.load(k_head + offs_d.to(tl.int64) * sk_d, mask=offs_d < head_dim, other=0.0).to(tl.float32)
+        qmean, qmax, lse_gap, p_sink = _first_pass(q_head, sq_s, sq_d, Q_INDEX, n_q_rows, head_dim,
+                                                   LSE + b * sl_b + h * sl_h, sl_s, n_lse_rows, kmean, k0, alpha,
+                                                   WITH_LSE=True, HAS_INDEX=HAS_Q_INDEX, BLOCK_R=BLOCK_R,
+                                                   BLOCK_D=BLOCK_D)
         r_q = _offset_ratio(q_head, sq_s, sq_d, Q_INDEX, n_q_rows, head_dim, qmean, tiny,
                             HAS_INDEX=HAS_Q_INDEX, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
-        offs_d = tl.arange(0, BLOCK_D)
-        k0 = tl.load(k_head + offs_d.to(tl.int64) * sk_d, mask=offs_d < head_dim, other=0.0).to(tl.float32)
-        lse_gap, p_sink = _lse_terms(q_head, sq_s, sq_d, LSE + b * sl_b + h * sl_h, sl_s, Q_INDEX, n_lse_rows,
-                                     head_dim, kmean, k0, alpha,
-                                     HAS_INDEX=HAS_Q_INDEX, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
 
         n_q = n_batch * n_heads
         tl.store(QUERY_OUT + pid, r_q)
@@ -283,6 +283,10 @@ def _block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def _block_rows(block_d: int) -> int:
+    return max(MIN_BLOCK_ROWS, min(MAX_BLOCK_ROWS, TILE_ELEMENTS // block_d))
+
+
 def head_statistics(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], *, scale: float, u: float,
                     q_index: Optional[torch.Tensor] = None, k_index: Optional[torch.Tensor] = None) -> HeadStatistics:
     """The detector statistics of one call in two launches (module docstring); nothing synchronizes.
@@ -316,8 +320,9 @@ def head_statistics(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor
             n_batch=B, n_heads=Hq, n_kv_heads=Hkv, n_q_rows=n_q_rows, n_k_rows=n_k_rows,
             n_lse_rows=0 if lse is None else n_q_rows, head_dim=D, alpha=float(scale), two_u=2.0 * float(u),
             tiny=TINY, GROUP=Hq // Hkv, HAS_Q_INDEX=q_index is not None, HAS_K_INDEX=k_index is not None,
-            BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_d(D), num_warps=4)
-        _reduce_worst[(1,)](key_out, query_out, worst, n_kv=n_kv, n_q=n_q, BLOCK=BLOCK_HEADS, num_warps=4)
+            BLOCK_R=_block_rows(_block_d(D)), BLOCK_D=_block_d(D), num_warps=NUM_WARPS_HEADS)
+        _reduce_worst[(1,)](key_out, query_out, worst, n_kv=n_kv, n_q=n_q, BLOCK=BLOCK_HEADS,
+                            num_warps=NUM_WARPS_REDUCE)
     key = key_out.view(N_KEY_OUT, B, Hkv)
     query = query_out.view(N_QUERY_OUT, B, Hq)
     return HeadStatistics(r_k=key[0], leak_dq=key[1], r_q=query[0], leak_dk=query[1], logit_bound=query[2],
