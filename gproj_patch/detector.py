@@ -228,6 +228,7 @@ def _run_statistics(inputs, consts, use_graph: bool = True):
 
 
 _KERNEL_STATE = {"failed": False, "logged": set()}
+_MAX_LOGGED_REASONS = 64  # reasons name shapes: stop logging new ones past this many
 
 
 def _kernel_statistics(q, k, lse, qidx, kidx, alpha: float, u: float) -> Optional[AttentionStats]:
@@ -237,7 +238,7 @@ def _kernel_statistics(q, k, lse, qidx, kidx, alpha: float, u: float) -> Optiona
     from .backends.detector_kernel import detector_kernel_supported, head_statistics
     supported, reason = detector_kernel_supported(q, k, lse)
     if not supported:
-        if reason not in _KERNEL_STATE["logged"]:
+        if reason not in _KERNEL_STATE["logged"] and len(_KERNEL_STATE["logged"]) < _MAX_LOGGED_REASONS:
             _KERNEL_STATE["logged"].add(reason)
             _log.info("the detector's Triton kernel does not take these inputs (%s): torch arithmetic", reason)
         return None
