@@ -212,14 +212,18 @@ def test_cases_cover_the_brief():
 def test_supported_predicate_reasons():
     q, k, lse, *_ = make_inputs("fp32_all_rows_odd_s")
     lse = normalize_lse(lse, *q.shape[:3])
-    ok, reason = detector_kernel.detector_kernel_supported(q, k, lse)
-    assert not ok and "cpu" in reason   # this process imported the kernels compiled: CPU is the interpreter's
+    supported = detector_kernel.detector_kernel_supported
     wide = torch.zeros(1, 1, 4, 512)
-    assert "head_dim" in detector_kernel.detector_kernel_supported(wide, wide, None)[1]
-    assert "lse" in detector_kernel.detector_kernel_supported(q, k, lse[..., :-1])[1]
-    assert "attention problem" in detector_kernel.detector_kernel_supported(q, k[:, :, :, :8], None)[1]
-    with pytest.raises(ValueError, match="cannot run"):
-        detector_kernel.head_statistics(q, k, lse, scale=1.0, u=2.0 ** -24)
+    assert "head_dim" in supported(wide, wide, None)[1]
+    assert "lse" in supported(q, k, lse[..., :-1])[1]
+    assert "attention problem" in supported(q, k[:, :, :, :8], None)[1]
+    ok, reason = supported(q, k, lse)
+    if detector_kernel._interpreted():  # kernels built for the interpreter (TRITON_INTERPRET=1 at import)
+        assert ok and "bfloat16" in supported(q.bfloat16(), k.bfloat16(), None)[1]
+    else:                               # built compiled: CPU tensors are the interpreter's only
+        assert not ok and "cpu" in reason
+        with pytest.raises(ValueError, match="cannot run"):
+            detector_kernel.head_statistics(q, k, lse, scale=1.0, u=2.0 ** -24)
 
 
 # ---- CUDA: the compiled kernel and the shipped path ---------------------------------------------------------
