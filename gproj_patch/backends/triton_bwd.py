@@ -124,15 +124,16 @@ def _interpret_env() -> bool:
         os.environ.get("GPROJ_TIER", "").lower() == "triton"
 
 
-def _kernels(interpret: bool):
-    """The kernel module, compiled (CUDA) or interpreted (CPU tensors), each loaded once."""
-    key = "interp" if interpret else "cuda"
+def _kernels(interpret: bool, source: str = "triton_kernels"):
+    """The kernel module ``source`` (a file of this folder), compiled (CUDA) or interpreted (CPU tensors), each
+    loaded once."""
+    key = ("interp" if interpret else "cuda", source)
     with _lock:
         mod = _modules.get(key)
         if mod is not None:
             return mod
-        path = os.path.join(os.path.dirname(__file__), "triton_kernels.py")
-        name = f"gproj_patch.backends._triton_kernels_{key}"
+        path = os.path.join(os.path.dirname(__file__), f"{source}.py")
+        name = f"gproj_patch.backends._{source}_{key[0]}"
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         old = os.environ.get("TRITON_INTERPRET")
@@ -332,7 +333,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = 
         return attention_lse(_pad_head_dim(q), _pad_head_dim(k), scale=default_scale(D, scale), causal=causal)
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
     interpret = q.device.type != "cuda"
-    km = _kernels(interpret)
+    km = _kernels(interpret, "triton_lse_kernels")
     block_m, block_n = (16, 16) if interpret else (64, 64)
     grid = (triton.cdiv(Sq, block_m), Hq, B)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
