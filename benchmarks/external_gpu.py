@@ -85,7 +85,7 @@ def _suite(name: str):
     selection = {"GPROJ_EXTERNAL_FUNCTIONS": ",".join(FA4_FUNCTIONS),
                  "GPROJ_EXTERNAL_PARAMS": json.dumps(FA4_PARAMS)}
     env = {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
-    return FA4_FILE, (FA4_FILE.stem,), selection, False, env
+    return FA4_FILE, tuple(FA4_FUNCTIONS), selection, False, env
 
 
 def _versions() -> str:
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     if args.classes:
         classes = tuple(args.classes.split(","))
         selection["GPROJ_EXTERNAL_CLASSES"] = args.classes
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the arms run pytest from their own work folder
     out.mkdir(parents=True, exist_ok=True)
     if not test_file.is_file():
         print(f"the vendored suite {test_file} is absent (tests/external/PROVENANCE.md)")

@@ -181,6 +181,14 @@ def regressions(base: dict, other: dict, skip_missing: bool = False) -> dict:
             and not (skip_missing and name not in other)}
 
 
+def _in_group(test_id: str, group: str) -> bool:
+    """``Class::test[...]`` ids belong to their class; module-level ``::test_name[...]`` ids to their function
+    (flash-attention's tests have no classes)."""
+    if test_id.startswith(group + "::"):
+        return True
+    return test_id.startswith("::") and test_id[2:].split("[")[0] == group
+
+
 def summary(result: dict, classes, base: str = "off", known=None) -> str:
     """A plain-text table: per class and arm the counts and seconds, then every test that passes in ``base``
     and not in another arm, then the tests that fail in ``base`` itself."""
@@ -195,7 +203,7 @@ def summary(result: dict, classes, base: str = "off", known=None) -> str:
     for cls in classes:
         row = []
         for tag in tags:
-            mine = [v for k, v in result[tag]["outcomes"].items() if k.startswith(cls + "::")]
+            mine = [v for k, v in result[tag]["outcomes"].items() if _in_group(k, cls)]
             counts = {o: sum(1 for v in mine if v[0] == o) for o in ("passed", "failed", "error", "skipped")}
             row.append(f"{tag}: " + " ".join(f"{n} {o}" for o, n in counts.items() if n)
                        + f" ({sum(v[2] for v in mine):.1f} s)")
@@ -205,6 +213,8 @@ def summary(result: dict, classes, base: str = "off", known=None) -> str:
             continue
         partial = not (result[tag].get("complete", True) and result[base].get("complete", True))
         reg = regressions(result[base]["outcomes"], result[tag]["outcomes"], skip_missing=partial)
+        both = set(result[base]["outcomes"]) & set(result[tag]["outcomes"])
+        lines.append(f"  finished in both {base!r} and {tag!r} (compared): {len(both)}")
         lines.append(f"  pass with {base!r}, not with {tag!r}: {len(reg)}")
         for name, (outcome, message, _) in sorted(reg.items()):
             mark = " [known]" if name in known else ""
