@@ -188,13 +188,22 @@ def run_suite(device="cuda", dtype=torch.bfloat16, cases=SUITE):
 # timing
 # ----------------------------------------------------------------------------------------------------------
 
-SHAPES = [(4, 16, 4096, 64, True), (4, 16, 4096, 128, True), (2, 16, 8192, 128, False), (1, 16, 16384, 128, True)]
+# (B, H, S, D, causal[, KV heads]): issue 11's shapes, GQA last
+SHAPES = [(4, 16, 4096, 64, True), (4, 16, 4096, 128, True), (2, 16, 8192, 128, False), (1, 16, 16384, 128, True),
+          (2, 32, 8192, 128, True, 8)]
 
 
-def _inputs(B, H, S, D, dtype=torch.bfloat16, seed=0):
+def _inputs(B, H, S, D, dtype=torch.bfloat16, seed=0, hkv=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda: torch.randn(B, H, S, D, generator=g, device="cuda", dtype=torch.float32).to(dtype)  # noqa: E731
-    return mk(), mk(), mk(), mk()
+    mk = lambda h: torch.randn(B, h, S, D, generator=g, device="cuda", dtype=torch.float32).to(dtype)  # noqa: E731
+    return mk(H), mk(H if hkv is None else hkv), mk(H if hkv is None else hkv), mk(H)
+
+
+def tflops(shape, ms, products=5):
+    """TFLOP/s of a backward counted as ``products`` S×S×D matrix products (cuDNN's count is 5; causal: half)."""
+    B, H, S, D, causal = shape[:5]
+    flop = products * 2.0 * B * H * S * S * D * (0.5 if causal else 1.0)
+    return flop / (ms * 1e-3) / 1e12
 
 
 def _bench(fn):
@@ -202,12 +211,18 @@ def _bench(fn):
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def time_shape(B, H, S, D, causal, cfg=None, fp32_tier=True):
+def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
-    q, k, v, do = _inputs(B, H, S, D)
+    q, k, v, do = _inputs(B, H, S, D, hkv=hkv)
+    gqa = hkv is not None and hkv != H
     res = {}
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    if gqa:  # the flash op has no GQA: the forward through the math of repeated heads, in BF16 as flash would
+        rep = H // hkv
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 0.0, causal)
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
     o, lse = out[0], out[1]
     for tag, extra in (("gproj", {}), ("gproj_two", dict(dk_form="two_product")),
                        ("gproj_fused", dict(dk_form="fused")), ("uncorrected", dict(correct=False))):
@@ -229,7 +244,7 @@ def time_shape(B, H, S, D, causal, cfg=None, fp32_tier=True):
         try:
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
             with sdpa_kernel(be):
-                y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+                y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=gqa)
             fn = lambda y=y, qq=qq, kk=kk, vv=vv: torch.autograd.grad(y, (qq, kk, vv), do, retain_graph=True)  # noqa
             fn()
             res[tag] = _bench(fn)
@@ -242,7 +257,7 @@ def time_shape(B, H, S, D, causal, cfg=None, fp32_tier=True):
 
         def fp32_eff():
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-                y = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal)
+                y = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=gqa)
             return torch.autograd.grad(y, (qf, kf, vf), dof)
         fp32_eff()
         res["fp32_efficient_fwdbwd"] = _bench(fp32_eff)
@@ -314,6 +329,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--skip-suite", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--skip-fp32-tier", action="store_true")
     ap.add_argument("--configs", default=None, help='JSON {"64": {"dq": [...], "dkdv": [...]}, ...}')
     ap.add_argument("--out", default=os.environ.get("OUT", "device_out"))
     args = ap.parse_args()
@@ -352,7 +368,7 @@ def main():
         for i, shp in enumerate(SHAPES):
             t0 = time.time()
             try:
-                r = time_shape(*shp, fp32_tier=(i == 0))
+                r = time_shape(*shp, fp32_tier=(i == 0) and not args.skip_fp32_tier)
             except Exception:
                 log(traceback.format_exc())
                 r = {}
@@ -402,8 +418,9 @@ def markdown(r):
                   "Median ms (`triton.testing.do_bench`), BF16 backward; FP32 = forward+backward.", "",
                   f"GProj = default dk form ({triton_bwd.DEFAULT_DK_FORM}).", "",
                   "| B,H,S,D,causal | GProj | two-product dk | fused dk | uncorrected | cuDNN bwd | flash bwd "
-                  "| FP32 eff fwd+bwd | FP32 tier fwd+bwd | GProj/cuDNN | GProj/unc | FP32/GProj |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| FP32 eff fwd+bwd | FP32 tier fwd+bwd | GProj/cuDNN | GProj/unc | FP32/GProj "
+                  "| TFLOP/s 5-product count (GProj / cuDNN) | TFLOP/s 8-product count (GProj) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for t in r["timings"]:
             g = t.get("gproj", float("nan"))
             f = lambda k: t.get(k, float("nan"))  # noqa: E731
@@ -412,7 +429,8 @@ def markdown(r):
                          f"{f('cudnn'):.3f} | "
                          f"{f('flash'):.3f} | {f('fp32_efficient_fwdbwd'):.2f} | {f('fp32_tier_fwdbwd'):.2f} | "
                          f"×{g / f('cudnn'):.2f} | ×{g / f('uncorrected'):.2f} | "
-                         f"×{f('fp32_efficient_fwdbwd') / g:.1f} |")
+                         f"×{f('fp32_efficient_fwdbwd') / g:.1f} | {tflops(t['shape'], g):.0f} / "
+                         f"{tflops(t['shape'], f('cudnn')):.0f} | {tflops(t['shape'], g, 8):.0f} |")
         lines += ["", "One launch at a time (ms): preprocess / dq kernel / dkdv kernel, GProj vs uncorrected.", "",
                   "| B,H,S,D,causal | pre | dq GProj | dq unc | dkdv GProj | dkdv unc |", "|---|---|---|---|---|---|"]
         for t in r["timings"]:
