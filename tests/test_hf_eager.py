@@ -230,15 +230,22 @@ def test_bias_mask_goes_to_the_fp32_tier_exactly():
     assert gproj_patch.stats()["fp32"] == 1
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
+                                     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize("pads", [(0, 0), (0, 11)])
-def test_gpt_oss_sink_column_with_dsink(pads):
+def test_gpt_oss_sink_column_with_dsink(pads, device):
     """With a sink a fully masked row puts its weight on the sink (output 0): inert even with a nonzero dO
-    (HF's loss on the last pad row), so left padding still goes to the flags/varlen path, not the mask."""
-    q, k, v, do = make(torch.bfloat16, seed=4, orthogonal=True)
+    (HF's loss on the last pad row), so left padding still goes to the flags/varlen path, not the mask.
+    On CUDA the backward is the Triton kernel with the sink (BF16); on CPU the FP32 tier."""
+    q, k, v, do = (t.detach().to(device).requires_grad_() if i < 3 else t.to(device)
+                   for i, t in enumerate(make(torch.bfloat16, seed=4, orthogonal=True)))
     do[1, : max(pads[1] - 1, 0)] = 0
     sinks = torch.tensor([math.log(S) + lvl for lvl in (-20.0, 0.0, 3.0, 8.0)]).to(torch.bfloat16)
-    module = _Attention(sinks=sinks)
-    pattern = causal(pads)
+    module = _Attention(sinks=sinks).to(device)
+    pattern = causal(pads).to(device)
     fn = modeling_gpt_oss.eager_attention_forward
     out, _, got = grads_of(fn, module, q, k, v, do, eager_mask(pattern, torch.bfloat16))
     dsink = module.sinks.grad.clone()
@@ -252,6 +259,7 @@ def test_gpt_oss_sink_column_with_dsink(pads):
     no_sink = 0  # head 0's sink has weight e^-20: the exact dS row sum is ~0 there, so the leak shows
     assert rel(plain[0][:, no_sink], want[0][:, no_sink]) > UNPATCHED_FAR
     assert not any("attn_mask" in r for r in gproj_patch.stats()["fallback_reasons"])
+    assert gproj_patch.stats()["gproj" if device == "cuda" else "fp32"] == 1
 
 
 def test_four_key_witness_exactly_zero():
