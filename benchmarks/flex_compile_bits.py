@@ -1,0 +1,55 @@
+"""Is a whole-model ``torch.compile`` forward on HF's "flex_attention" bitwise unchanged by the patch? (H200)
+
+A 2-layer Llama (hidden 256, 4 heads, 2 KV heads, BF16, seq 256, batch 2) compiled whole, one training step
+(forward with labels, backward), logits compared patched vs unpatched, with Inductor's default numerics and with
+``torch._inductor.config.emulate_precision_casts = True`` (every explicit cast rounds, whatever the fusion).
+Run 17 (BENCHMARKS.md): default max |Δlogit| 0.0078, emulate_precision_casts bitwise equal; two unpatched
+compiles, and with or without labels, are bitwise equal.
+
+    PYTHONPATH=. python benchmarks/flex_compile_bits.py
+"""
+import torch
+import torch._inductor.config as inductor_config
+import transformers
+
+import gproj_patch
+from gproj_patch.integrations import flex as flex_hook
+
+
+def build():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flex_attention",
+                                                          dtype=torch.bfloat16).cuda()
+    ids = torch.randint(0, 64, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    return model, ids
+
+
+def compiled_step(model, ids):
+    torch._dynamo.reset()
+    out = torch.compile(model)(input_ids=ids, labels=ids)
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
+    return out.logits.detach().clone()
+
+
+def main():
+    model, ids = build()
+    for emulate in (False, True):
+        inductor_config.emulate_precision_casts = emulate
+        gproj_patch.disable()
+        flex_hook.uninstall()
+        ref = compiled_step(model, ids)
+        gproj_patch.enable()
+        flex_hook.install()
+        gproj_patch.reset_stats()
+        got = compiled_step(model, ids)
+        diff = (got.float() - ref.float()).abs().max().item()
+        print(f"emulate_precision_casts={emulate}: bitwise equal {torch.equal(got, ref)}, max |dlogit| {diff:.3g}, "
+              f"corrected backwards {gproj_patch.stats()['gproj']}", flush=True)
+    gproj_patch.disable()
+
+
+if __name__ == "__main__":
+    main()
