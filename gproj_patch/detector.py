@@ -36,9 +36,10 @@ the backward's O(B·H·Sq·Sk·D). Sampled rows give statistical estimates of th
 On CUDA, ``compute`` is two Triton launches (``backends/detector_kernel.py``: one program per (batch, query
 head) reading the sampled rows of q, k and the LSE in place, then a one-program reduction to the summary
 values) and one non-blocking copy of those 7 values into pinned host memory; ``summary()`` waits for that copy's
-CUDA event only, not for the device. Not yet timed on the GPU: ``benchmarks/detector_cost.py`` times it against
-the cuDNN attention backward at B=2, H=16, S=4096, D=128 (the path it replaces, index_select gathers + a CUDA
-graph of ~40 torch kernels + ``.tolist()``, measured 0.35 ms against a 0.86 ms backward, BENCHMARKS.md).
+CUDA event only, not for the device. H200 (``benchmarks/detector_cost.py``, B=2, H=16, S=4096, D=128, BF16;
+BENCHMARKS.md run 15): 0.023 ms of GPU time (3 % of the 0.76 ms causal cuDNN backward), 0.16 ms wall per sampled
+call, most of it Triton's Python launch path; the path it replaces (gathers + a CUDA graph of ~40 torch kernels +
+``.tolist()``) took 0.28 ms wall.
 Inputs the kernel does not take (``detector_kernel_supported``: head dim > 256, no Triton, ...) and CPU tensors
 use the torch arithmetic ``_statistics`` on gathered rows (replayed as a CUDA graph on CUDA, option
 ``detector_graph``); there ``summary()`` is one blocking transfer.
