@@ -16,14 +16,16 @@ import gproj_patch
 from gproj_patch.integrations import flex as flex_hook
 
 
-def build():
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+def build(layers=2, hidden=256, heads=4, kv_heads=2, seq=256, batch=2):
+    """A Llama from a config on HF's "flex_attention", and token ids (seeded)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flex_attention",
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, max_position_embeddings=seq)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="flex_attention",
                                                           dtype=torch.bfloat16).cuda()
-    ids = torch.randint(0, 64, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    return model, ids
+    gen = torch.Generator("cuda").manual_seed(0)
+    return model, torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
 
 
 def compiled_step(model, ids):
