@@ -30,7 +30,7 @@ GPU_HEAD_DIMS = (1, 8, 16, 24, 40, 72, 136, 256)  # every padded block_d: 16, 32
 def test_every_head_dim_has_a_block_d_and_a_config(monkeypatch):
     monkeypatch.setenv("GPROJ_TIER", "triton")
     for d in range(1, triton_bwd.MAX_HEAD_DIM + 1):
-        bd = triton_bwd._block_d(d)
+        bd = triton_bwd.block_d(d)
         assert bd >= max(d, triton_bwd.MIN_BLOCK_D) and bd & (bd - 1) == 0 and bd < 2 * max(d, 16), (d, bd)
         for kind in ("dq", "dkdv"):
             cfg = triton_bwd.block_config(kind, bd)

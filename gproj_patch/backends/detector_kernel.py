@@ -31,6 +31,7 @@ from typing import Optional, Tuple
 import torch
 
 from .compat import triton_interpreter_index_patch
+from .triton_bwd import block_d
 
 try:  # pragma: no cover - import guard
     import triton
@@ -279,10 +280,6 @@ def detector_kernel_supported(q: torch.Tensor, k: torch.Tensor, lse: Optional[to
     return False, f"device={q.device.type}"
 
 
-def _block_d(head_dim: int) -> int:
-    return max(16, 1 << (head_dim - 1).bit_length())
-
-
 def _block_rows(block_d: int) -> int:
     return max(MIN_BLOCK_ROWS, min(MAX_BLOCK_ROWS, TILE_ELEMENTS // block_d))
 
@@ -313,6 +310,7 @@ def head_statistics(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor
     # absent optional inputs: a pointer that is never read (no index: HAS_*_INDEX False; no LSE: 0 rows)
     lse_ptr, lse_strides = (buffer, (0, 0, 0)) if lse is None else (lse, lse.stride())
     interpret = q.device.type != "cuda"
+    tile_d = block_d(D)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         _head_statistics[(n_q,)](
             q, k, lse_ptr, buffer if q_index is None else q_index, buffer if k_index is None else k_index,
@@ -320,7 +318,7 @@ def head_statistics(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor
             n_batch=B, n_heads=Hq, n_kv_heads=Hkv, n_q_rows=n_q_rows, n_k_rows=n_k_rows,
             n_lse_rows=0 if lse is None else n_q_rows, head_dim=D, alpha=float(scale), two_u=2.0 * float(u),
             tiny=TINY, GROUP=Hq // Hkv, HAS_Q_INDEX=q_index is not None, HAS_K_INDEX=k_index is not None,
-            BLOCK_R=_block_rows(_block_d(D)), BLOCK_D=_block_d(D), num_warps=NUM_WARPS_HEADS)
+            BLOCK_R=_block_rows(tile_d), BLOCK_D=tile_d, num_warps=NUM_WARPS_HEADS)
         _reduce_worst[(1,)](key_out, query_out, worst, n_kv=n_kv, n_q=n_q, BLOCK=BLOCK_HEADS,
                             num_warps=NUM_WARPS_REDUCE)
     key = key_out.view(N_KEY_OUT, B, Hkv)

@@ -150,7 +150,8 @@ def _kernels(interpret: bool, source: str = "triton_kernels"):
         return mod
 
 
-def _block_d(head_dim: int) -> int:
+def block_d(head_dim: int) -> int:
+    """The padded head dim of a kernel tile: the next power of two, at least MIN_BLOCK_D."""
     return max(MIN_BLOCK_D, 1 << (head_dim - 1).bit_length())
 
 
@@ -287,7 +288,7 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     left, right = mask.window
     if mask.causal:
         right = 0
-    BD = _block_d(D)
+    BD = block_d(D)
     cfg = dict(_config or {})
     if interpret:
         cfg_dq = cfg_dkdv = (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1)
@@ -311,7 +312,7 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 def _launch(km, interpret: bool, job) -> torch.Tensor:
     """The launches of one backward (``triton_launch.launch``), with the parts ``_RUN`` names."""
     from .triton_launch import launch
-    return launch(km, interpret, job, block_d=_block_d(job.q.shape[-1]), parts=_RUN, last_kernels=LAST_KERNELS)
+    return launch(km, interpret, job, block_d=block_d(job.q.shape[-1]), parts=_RUN, last_kernels=LAST_KERNELS)
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = None,
@@ -339,5 +340,5 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = 
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         km._lse_fwd[grid](q, k, lse, *q.stride(), *k.stride(), *lse.stride(), Hq // Hkv, Sq, Sk, D,
                           default_scale(D, scale) * 1.4426950408889634, CAUSAL=bool(causal), BLOCK_M=block_m,
-                          BLOCK_N=block_n, BLOCK_D=_block_d(D), num_warps=4)
+                          BLOCK_N=block_n, BLOCK_D=block_d(D), num_warps=4)
     return lse
