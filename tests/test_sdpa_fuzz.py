@@ -8,8 +8,8 @@ scale, which inputs require grad and a common key offset. Checked for every case
   message);
 * the backward raises where and only where the unpatched one does, gives a gradient to exactly the same inputs,
   and stays finite where the unpatched one is;
-* BF16/FP16 gradients of the corrected calls are within 0.5 % of an independent fp64 computation of the same
-  attention (softmax of the masked scores, GQA by repeated heads), a bound the leak of an uncorrected BF16
+* BF16/FP16 gradients of the corrected calls are within 0.5 % of the fp64 oracle (``backends.reference``)
+  on the same inputs, mask and scale, a bound the leak of an uncorrected BF16
   backward exceeds on the offset cases (``tests/test_sdpa_patch.py``).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import gproj_patch
+from gproj_patch.backends.reference import reference_backward
 
 CASES = 48
 GRAD_BOUND = 5e-3   # relative to ‖fp64 gradient‖; measured worst on these seeds: 0.24 % (BF16 output rounding)
@@ -90,16 +91,9 @@ def call(case: Case, requires_grad=None):
 
 
 def fp64_grads(case: Case, do: torch.Tensor):
-    q, k, v = (t.detach().double().requires_grad_() for t in (case.q, case.k, case.v))
-    rep = q.shape[1] // k.shape[1]
-    s = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * (q.shape[-1] ** -0.5 if case.scale is None else case.scale)
-    if case.causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    if case.mask is not None:
-        s = s.masked_fill(~case.mask, float("-inf")) if case.mask.dtype == torch.bool else s + case.mask.double()
-    out = torch.softmax(s, -1).nan_to_num() @ v.repeat_interleave(rep, 1)
-    out.backward(do.double())
-    return q.grad, k.grad, v.grad
+    """The package's fp64 oracle (``backends.reference``, itself checked against fp64 autograd)."""
+    return reference_backward(case.q.double(), case.k.double(), case.v.double(), do.double(),
+                              attn_mask=case.mask, scale=case.scale, causal=case.causal)
 
 
 def same_output(a, b) -> bool:
