@@ -29,6 +29,7 @@ import torch
 from .. import config as _config
 from .. import telemetry
 from ..backends import compat
+from . import restore_by_identity
 from ..ops import flex as flex_op
 
 logger = logging.getLogger("gproj_patch")
@@ -168,19 +169,13 @@ def uninstall() -> None:
     if _hf_saved is not _MISSING:
         from transformers.modeling_utils import AttentionInterface
         mapping = compat.hf_registry_mapping(AttentionInterface)
-        if mapping.get(HF_NAME) is hf_flex_attention_forward:
-            mapping[HF_NAME] = _hf_saved
-        else:
-            logger.warning("HF's 'flex_attention' entry was replaced after enable(); left as it is")
+        restore_by_identity(mapping, HF_NAME, hf_flex_attention_forward, _hf_saved, "HF's 'flex_attention' entry")
         _hf_saved = _MISSING
     if _saved is None:
         return
     import torch.nn.attention.flex_attention as fa_module
-    if fa_module.flex_attention is flex_attention:
-        fa_module.flex_attention = _saved
-    else:
-        logger.warning("torch.nn.attention.flex_attention.flex_attention was replaced after enable() by %r; "
-                       "left as it is", fa_module.flex_attention)
+    restore_by_identity(vars(fa_module), "flex_attention", flex_attention, _saved,
+                        "torch.nn.attention.flex_attention.flex_attention")
     flex_op.set_original(None)
     _saved = None
 

@@ -50,6 +50,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from .. import telemetry
 from ..backends import compat
+from . import restore_by_identity
 from ..ops import sdpa as sdpa_op
 
 logger = logging.getLogger("gproj_patch")
@@ -194,11 +195,8 @@ def _restore_bound_names(original) -> None:
         namespace = None if module is None else _namespace(module)
         if namespace is None:
             continue
-        if namespace.get(b.name) is scaled_dot_product_attention:
-            namespace[b.name] = original
-        else:
-            logger.warning("%s.%s was rebound after enable() to %r; left as it is", b.module_name, b.name,
-                           namespace.get(b.name))
+        restore_by_identity(namespace, b.name, scaled_dot_product_attention, original, f"{b.module_name}.{b.name}",
+                            change="rebound")
 
 
 def bound_names() -> List[str]:
@@ -238,11 +236,8 @@ def uninstall() -> None:
     global _saved
     if _saved is None:
         return
-    if F.scaled_dot_product_attention is scaled_dot_product_attention:
-        F.scaled_dot_product_attention = _saved
-    else:
-        logger.warning("torch.nn.functional.scaled_dot_product_attention was replaced after enable() by %r; "
-                       "left as it is", F.scaled_dot_product_attention)
+    restore_by_identity(vars(F), "scaled_dot_product_attention", scaled_dot_product_attention, _saved,
+                        "torch.nn.functional.scaled_dot_product_attention")
     _restore_bound_names(_saved)
     sdpa_op.set_original(None)
     _saved = None
