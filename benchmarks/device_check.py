@@ -195,8 +195,9 @@ SHAPES = [(4, 16, 4096, 64, True), (4, 16, 4096, 128, True), (2, 16, 8192, 128, 
 
 def _inputs(B, H, S, D, dtype=torch.bfloat16, seed=0, hkv=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
+    hk = H if hkv is None else hkv
     mk = lambda h: torch.randn(B, h, S, D, generator=g, device="cuda", dtype=torch.float32).to(dtype)  # noqa: E731
-    return mk(H), mk(H if hkv is None else hkv), mk(H if hkv is None else hkv), mk(H)
+    return mk(H), mk(hk), mk(hk), mk(H)
 
 
 def tflops(shape, ms, products=5):
@@ -217,12 +218,9 @@ def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
     q, k, v, do = _inputs(B, H, S, D, hkv=hkv)
     gqa = hkv is not None and hkv != H
     res = {}
-    if gqa:  # the flash op has no GQA: the forward through the math of repeated heads, in BF16 as flash would
-        rep = H // hkv
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 0.0, causal)
-    else:
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    rep = H // k.shape[1]  # the flash op has no GQA: its forward on repeated KV heads (the same O and LSE)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 0.0, causal)
     o, lse = out[0], out[1]
     for tag, extra in (("gproj", {}), ("gproj_two", dict(dk_form="two_product")),
                        ("gproj_fused", dict(dk_form="fused")), ("uncorrected", dict(correct=False))):
