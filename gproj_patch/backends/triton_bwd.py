@@ -1,4 +1,4 @@
-"""The GProj attention backward as Triton kernels (bf16/fp16 inputs, fp32 accumulation).
+"""The GProj attention backward as Triton kernels (bf16/fp16 inputs, fp32 accumulation; fp32 inputs for the FP32 tier).
 
 ``gproj_backward(do, q, k, v, o, lse, ...)`` returns (dq, dk, dv) in the input dtype. With r = low(P) (the
 operand a fused backward already forms for dV), t = low(dS), ρ_i = Σ_j t_ij, m_i = Σ_j r_ij, λ_i = ρ_i / m_i:
@@ -27,10 +27,10 @@ nothing — this is why the cheap form is safe here and is not safe in an uncorr
 target P_sink·D carries the same error: P_sink·(D_saved − D) stays in the row sum, one rounding of O relative
 to the target itself.)
 
-**Structure.** Three launches (``triton_kernels.py``): a preprocess (D and a base-2 LSE, -inf rows made
-+inf so that fully masked rows get exactly zero gradients), a dQ-major kernel (dq, and λ written to an fp32
+**Structure.** Two launches (``triton_kernels.py``): a dQ-major kernel (first D and a base-2 LSE of its rows,
+-inf rows made +inf so that fully masked rows get exactly zero gradients; then dq, and λ written to an fp32
 (B·H·S) scratch; the row sums ρ, m are dots with a one-hot matrix so they run on the tensor cores), and a
-KV-major kernel (dk, dv, reading λ). Extra memory: three fp32 (B·H·Sq) buffers (D, LSE, λ; a fourth, T, with a
+KV-major kernel (dk, dv, reading D, the LSE and λ). Extra memory: three fp32 (B·H·Sq) buffers (D, LSE, λ; a fourth, T, with a
 sink) — never O(S²).
 
 **Features.** bf16 and fp16; every head dim 1..256 (padded to a power of two inside the kernel; head dims
@@ -55,14 +55,20 @@ does not restore an invariance. tanh is computed from exp2 (no libdevice, so the
 
 **Learnable sinks** (``sink``, shape (Hq,), fp32 or the input dtype; ``spec.py``). The LSE given must be the
 forward's, which includes the sink, so P = exp(S − LSE) already sums to 1 − P_sink over the keys and the exact
-row sum of dS is T_i = P_sink,i·D_i. The preprocess computes T (fp32, D from the saved output as above) and
-the dQ-major kernel uses λ = (ρ − T)/m; dk and dv need nothing else (they read λ). The sink's gradient
+row sum of dS is T_i = P_sink,i·D_i. The dQ-major kernel computes T (fp32, D from the saved output as above)
+and uses λ = (ρ − T)/m; dk and dv need nothing else (they read λ). The sink's gradient
 dsink_h = −Σ_{b,i} T_i is a reduction of T in PyTorch over a fixed shape (deterministic; varlen rows past the
 last sequence excluded). The result is then (dq, dk, dv, dsink), dsink shaped and typed like ``sink``.
 Softcap with a sink is refused (``spec.SINK_SOFTCAP_REASON``).
 
+**FP32 inputs** (``fp32=True`` in ``kernel_unsupported_reason``; the FP32 tier's kernel form, ``router``): the
+same kernels on fp32 tensors, every product an IEEE fp32 dot (``DOT_PRECISION="ieee"``, no TF32), t = dS and
+r = P unrounded, block configs from ``CONFIGS_FP32``. The projection then removes what the saved output's
+rounding puts into D (a multiple of P per row, see above), so low-precision saved O and LSE give fp32-accurate
+gradients.
+
 **Not supported** (``kernel_unsupported_reason`` says so; callers fall back to the FP32 tier): ``attn_mask``,
-dropout, fp32/fp64 inputs, head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, docs/design.md §4),
+dropout, fp64 inputs (fp32 only with ``fp32=True``), head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, docs/design.md §4),
 a sink of the wrong shape, dtype or device, softcap with a sink.
 
 **CPU.** With ``GPROJ_TIER=triton`` or ``TRITON_INTERPRET=1`` in the environment, CPU fp16 tensors run the same
@@ -94,12 +100,21 @@ DK_FORMS = ("two_product", "fused")
 #: dk form used when none is asked for (chosen on the H200 suite, see BENCHMARKS.md)
 DEFAULT_DK_FORM = "fused"
 
-# Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels.
-# 16 was not swept: it takes the 32 config (the same tiles, half the registers per row).
-CONFIGS = {  # chosen by benchmarks/device_check.py --sweep on the H200 (BENCHMARKS.md, NOTES_kernel.md)
-    "dq": {16: (64, 32, 4, 3), 32: (64, 32, 4, 3), 64: (64, 32, 4, 3), 128: (64, 64, 4, 2), 256: (64, 32, 8, 1)},
-    "dkdv": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 2),
-             256: (32, 64, 8, 1)},
+# Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels,
+# chosen by greedy sweeps on the H200 (benchmarks/kernel_sweep.py; BENCHMARKS.md, NOTES_kernel.md): 64 and 128 in
+# run 3, 32 and 256 in run 19 (at 4·16·4096·32 causal ×1.12 faster than the 64 config it used to borrow; at
+# 2·16·4096·256 causal ×1.27 faster than the first guess, dkdv without spills). 16 takes the 32 config.
+CONFIGS = {
+    "dq": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3), 128: (64, 64, 4, 2), 256: (64, 64, 8, 1)},
+    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 2),
+             256: (32, 32, 4, 1)},
+}
+#: block configs for fp32 inputs (IEEE dots on the FMA units: operands live in registers, so smaller tiles);
+#: 64 swept in run 19 (1·16·4096·64 causal: (32, 32) best of five for each kernel, larger tiles spill); 128 and
+#: 256 sized to the same registers per thread (half / quarter the rows of 64); 16 and 32 take 64's
+CONFIGS_FP32 = {
+    "dq": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (16, 32, 4, 2), 256: (16, 16, 4, 1)},
+    "dkdv": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (16, 32, 4, 2), 256: (16, 16, 4, 1)},
 }
 #: smallest padded head dim the kernels use (tl.dot needs an inner dimension of at least 16)
 MIN_BLOCK_D = 16
@@ -111,7 +126,7 @@ _INTERP_BLOCK = 16
 #: tests and benchmarks set this to fill dense outputs with NaN before the launch (checks every element is written)
 _POISON_OUTPUTS = False
 #: launches to run (benchmarks time the kernels one at a time by removing the others; results then invalid)
-_RUN = ("pre", "dq", "dkdv")
+_RUN = ("dq", "dkdv")
 #: registers / spills of the last compiled launch (for the benchmark's notes)
 LAST_KERNELS: dict = {}
 
@@ -163,13 +178,14 @@ def _pad_head_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, MIN_BLOCK_D - x.shape[-1]))
 
 
-def block_config(kind: str, block_d: int) -> Tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel ``kind`` ("dq" | "dkdv") for a padded head dim.
+def block_config(kind: str, block_d: int, fp32: bool = False) -> Tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel ``kind`` ("dq" | "dkdv") for a padded head dim
+    (``CONFIGS``, or ``CONFIGS_FP32`` for fp32 inputs).
 
     Its own entry of ``CONFIGS`` when there is one; otherwise the nearest tuned config by the rule "the
     smallest tuned block_d above, else the largest tuned": tiles sized for a wider head need at least the
     registers and shared memory this one does, so they fit; never a KeyError."""
-    table = CONFIGS[kind]
+    table = (CONFIGS_FP32 if fp32 else CONFIGS)[kind]
     if block_d in table:
         return table[block_d]
     wider = [d for d in table if d > block_d]
@@ -177,19 +193,21 @@ def block_config(kind: str, block_d: int) -> Tuple[int, int, int, int]:
 
 
 def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
-                              attn_mask=None, softcap: float = 0.0, sink=None, **_ignored) -> Optional[str]:
+                              attn_mask=None, softcap: float = 0.0, sink=None, fp32: bool = False,
+                              **_ignored) -> Optional[str]:
     """None when ``gproj_backward`` handles these inputs; otherwise a short reason for the fallback log.
 
     The single predicate of the kernel tier: every head dim 1..256, bf16/fp16, CUDA (or CPU fp16 under the
     interpreter), and a ``sink`` (if any) of shape (Hq,), fp32 or the input dtype, on q's device, without a
-    softcap."""
+    softcap. ``fp32=True`` asks about the FP32 tier's form instead: the kernels run on fp32 copies of these
+    inputs (bf16/fp16/fp32; any of them under the interpreter, whose fp32 is exact)."""
     if not _HAS_TRITON:
         return "no triton"
     if attn_mask is not None:
         return "attn_mask"
     if dropout_p and dropout_p > 0.0:
         return "dropout"
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    if q.dtype not in ((torch.float16, torch.bfloat16, torch.float32) if fp32 else (torch.float16, torch.bfloat16)):
         return f"dtype={str(q.dtype).replace('torch.', '')}"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return "mixed dtypes"
@@ -210,7 +228,7 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.device.type == "cpu":
         if not _interpret_env():
             return "cpu tensor without GPROJ_TIER=triton/TRITON_INTERPRET=1"
-        if q.dtype == torch.bfloat16:
+        if q.dtype == torch.bfloat16 and not fp32:
             return "bfloat16 under the Triton interpreter (inexact)"
         return None
     return f"device={q.device.type}"
@@ -234,7 +252,7 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     """
     mask = MaskSpec(causal=bool(causal), causal_align=causal_align, window=tuple(int(w) for w in window),
                     softcap=float(softcap))
-    reason = kernel_unsupported_reason(q, k, v, softcap=softcap, sink=sink)
+    reason = kernel_unsupported_reason(q, k, v, softcap=softcap, sink=sink, fp32=q.dtype == torch.float32)
     if reason is not None:
         raise ValueError(f"gproj_backward cannot run these inputs: {reason}")
     validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
@@ -293,8 +311,9 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if interpret:
         cfg_dq = cfg_dkdv = (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1)
     else:
-        cfg_dq = cfg.get("dq") or block_config("dq", BD)
-        cfg_dkdv = cfg.get("dkdv") or block_config("dkdv", BD)
+        fp32 = q.dtype == torch.float32
+        cfg_dq = cfg.get("dq") or block_config("dq", BD, fp32)
+        cfg_dkdv = cfg.get("dkdv") or block_config("dkdv", BD, fp32)
 
     from .triton_launch import Launch, sink_gradient
     job = Launch(

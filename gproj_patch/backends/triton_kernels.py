@@ -1,24 +1,20 @@
-"""Triton kernels of the GProj backward (launched from ``triton_bwd.py``; see its docstring for the math).
+"""Triton kernels of the GProj backward (launched from ``triton_launch.py``; the math: ``triton_bwd``'s docstring).
 
-Three launches:
+* ``_bwd_dq``: dQ-major, one program per (query block, query head, batch or sequence). First its rows' D_i =
+  rowsum(dO_i ∘ O_i) from the saved output (fp32) and the LSE in base 2, -inf rows made +inf (every P of a fully
+  masked row exactly 0), both written to fp32 (B·H·S) scratch for the KV-major kernel; with a learnable sink
+  (``HAS_SINK``) also T_i = P_sink,i·D_i, P_sink = 2^(s_h·log2 e − LSE2_i): the exact row sum of dS, and −T_i is
+  row i's share of the sink's gradient. Then t·K (t = low(dS)), r·K (r = low(P)) and the row sums ρ = Σt,
+  m = Σr (on the tensor cores, a dot with a one-hot column); it writes dq = α(tK − λ·rK) and λ = (ρ − T)/m.
+* ``_bwd_dkdv``: KV-major, one program per (key block, KV head, batch or sequence), looping over the query heads
+  of its GQA group (dk/dv reduced inside one program: no atomics, no copy of K/V, deterministic). dv = Σ r·dO;
+  dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ ("fused").
 
-* ``_preprocess``: D_i = rowsum(dO_i ∘ O_i) from the saved low-precision output (fp32 accumulation), and the
-  LSE rewritten in base 2 with -inf rows turned into +inf (so every P of a fully masked row is exactly 0).
-  With a learnable sink (``HAS_SINK``) also the projection target T_i = P_sink,i·D_i, P_sink = 2^(s_h·log2 e −
-  LSE2_i) (0 on -inf rows): the exact row sum of dS, and −T_i is row i's share of the sink's gradient.
-* ``_bwd_dq``: dQ-major. One program per (query block, query head, batch or sequence). Accumulates
-  t·K (t = low(dS)), r·K (r = low(P)) and the row sums ρ = Σt, m = Σr (on the tensor cores, as a dot with a
-  one-hot column), then writes dq = α(tK − λ·rK) and λ = (ρ − T)/m (T = 0 without a sink) to an fp32
-  (B·H·S) scratch.
-* ``_bwd_dkdv``: KV-major. One program per (key block, KV head, batch or sequence); it loops over the query
-  heads of its GQA group, so dk/dv are reduced over the group inside one program (no atomics, no copy of K/V,
-  deterministic). dv = Σ r·dO; dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ
-  ("fused").
-
-Masking (causal in both alignments, window) is expressed as a window (left, right) around the diagonal
-``i + shift``; causal is right = 0. Each kernel splits its loop into masked edge tiles and unmasked interior
-tiles. The module is loaded twice by ``triton_bwd`` when needed: compiled (CUDA) and interpreted
-(``TRITON_INTERPRET=1``, CPU tensors); do not import it directly.
+``DOT_PRECISION``: the ``tl.dot`` input precision, "tf32" (Triton's default; irrelevant for bf16/fp16 operands)
+or "ieee" for the FP32 tier's fp32 inputs (plain fp32 products, no TF32). Masks (causal in both alignments,
+window) are a window (left, right) around the diagonal ``i + shift``; causal is right = 0. Each loop is split
+into masked edge tiles and unmasked interior tiles. ``triton_bwd`` loads this module twice when needed, compiled
+(CUDA) and interpreted (``TRITON_INTERPRET=1``, CPU tensors); do not import it directly.
 """
 import triton
 import triton.language as tl
@@ -56,15 +52,21 @@ def _segment(CU_Q, CU_K, z, SQ, SK, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _load_pair(A, B, sa_s, sa_d, sb_s, sb_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
-    """Two (len(offs), BLOCK_D) tiles of rows ``offs`` (rows >= n and columns >= HEAD_DIM read as 0)."""
+def _load_rows(A, sa_s, sa_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
+    """A (len(offs), BLOCK_D) tile of rows ``offs`` (rows >= n and columns >= HEAD_DIM read as 0)."""
     if EVEN:
         a = tl.load(A + offs[:, None] * sa_s + offs_d[None, :] * sa_d)
-        b = tl.load(B + offs[:, None] * sb_s + offs_d[None, :] * sb_d)
     else:
-        m = (offs[:, None] < n) & (offs_d[None, :] < HEAD_DIM)
-        a = tl.load(A + offs[:, None] * sa_s + offs_d[None, :] * sa_d, mask=m, other=0.0)
-        b = tl.load(B + offs[:, None] * sb_s + offs_d[None, :] * sb_d, mask=m, other=0.0)
+        a = tl.load(A + offs[:, None] * sa_s + offs_d[None, :] * sa_d,
+                    mask=(offs[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    return a
+
+
+@triton.jit
+def _load_pair(A, B, sa_s, sa_d, sb_s, sb_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
+    """Two tiles of the same rows (``_load_rows``)."""
+    a = _load_rows(A, sa_s, sa_d, offs, n, offs_d, HEAD_DIM, EVEN)
+    b = _load_rows(B, sb_s, sb_d, offs, n, offs_d, HEAD_DIM, EVEN)
     return a, b
 
 
@@ -78,34 +80,26 @@ def _store_tile(P, x, s_s, s_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _preprocess(O, DO, LSE, Delta, LSE2, SINK, TGT,
-                so_b, so_h, so_s, so_d,
-                sdo_b, sdo_h, sdo_s, sdo_d,
-                sl_b, sl_h, sl_s, ssink,
-                H, S, HEAD_DIM,
-                HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    ms = offs_s < S
-    md = offs_d < HEAD_DIM
-    m2 = ms[:, None] & md[None, :]
-    o = tl.load(O + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :] * so_d, mask=m2, other=0.0)
-    do = tl.load(DO + b * sdo_b + h * sdo_h + offs_s[:, None] * sdo_s + offs_d[None, :] * sdo_d, mask=m2,
-                 other=0.0)
+def _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LSE2, TGT, row, offs_m, q_len,
+               offs_d, HEAD_DIM, HAS_SINK: tl.constexpr, EVEN: tl.constexpr):
+    """(D, base-2 LSE, T) of the rows ``offs_m``, also stored to scratch at ``row`` for the KV-major kernel.
+
+    D = rowsum(dO ∘ O) in fp32 from the saved output; LSE2 = LSE·log2 e, +inf where the LSE is -inf (rows that
+    saw no key) and on rows past the end; T = P_sink·D with a sink (P_sink = 0 where LSE2 = +inf), else 0."""
+    inside = offs_m < q_len
+    o = _load_rows(O_base, so_s, so_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN)
     delta = _rowsum(o.to(tl.float32) * do.to(tl.float32))
-    lse = tl.load(LSE + b * sl_b + h * sl_h + offs_s * sl_s, mask=ms, other=0.0)
+    lse = tl.load(LSE_base + offs_m * sl_s, mask=inside, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    out = pid_bh.to(tl.int64) * S + offs_s
-    tl.store(Delta + out, delta, mask=ms)
-    tl.store(LSE2 + out, lse2, mask=ms)
+    tl.store(Delta + row, delta, mask=inside)
+    tl.store(LSE2 + row, lse2, mask=inside)
     if HAS_SINK:
         sink2 = tl.load(SINK + h * ssink).to(tl.float32) * 1.4426950408889634
-        psink = tl.math.exp2(sink2 - lse2)  # lse2 = +inf (row saw nothing, not even the sink): 0
-        tl.store(TGT + out, psink * delta, mask=ms)
+        target = tl.math.exp2(sink2 - lse2) * delta  # lse2 = +inf (row saw nothing, not even the sink): 0
+        tl.store(TGT + row, target, mask=inside)
+    else:
+        target = delta * 0.0
+    return delta, lse2, target
 
 
 @triton.jit
@@ -135,10 +129,10 @@ def _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
              K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right, scale_log2,
              cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP: tl.constexpr,
              MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
-             EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+             EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v = _load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM, EVEN_N and EVEN_D)
-    s = tl.dot(q, tl.trans(k))
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     p, tau = _probs(s, lse2[:, None], scale_log2, cap_in, cap_out, SOFTCAP)
     if MASK:
         vis = offs_n[None, :] < k_len
@@ -148,39 +142,41 @@ def _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
         if HAS_L:
             vis = vis & (offs_n[None, :] >= diag - win_left)
         p = tl.where(vis, p, 0.0)
-    dp = tl.dot(do, tl.trans(v))
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])  # gradient w.r.t. the (capped) score: zero row sum
     if SOFTCAP:
         t = (ds * tau).to(q.dtype)
     else:
         t = ds.to(q.dtype)
-    acc = tl.dot(t, k, acc)
+    acc = tl.dot(t, k, acc, input_precision=DOT_PRECISION)
     if CORRECT:
         r = p.to(q.dtype)
         if SOFTCAP:
             # row mass in capped-score units (t/τ', or the unrounded gradient where τ' = 0); w = low(r τ')
             mass = tl.where(tau > 0.0, t.to(tl.float32) / tl.where(tau > 0.0, tau, 1.0), ds)
             sacc = sacc + tl.where(col[None, :] == 0, _rowsum(mass)[:, None], 0.0)
-            racc = tl.dot((r.to(tl.float32) * tau).to(q.dtype), k, racc)
+            racc = tl.dot((r.to(tl.float32) * tau).to(q.dtype), k, racc, input_precision=DOT_PRECISION)
         else:
-            sacc = tl.dot(t, e0, sacc)
-            racc = tl.dot(r, k, racc)
-        sacc = tl.dot(r, e1, sacc)
+            sacc = tl.dot(t, e0, sacc, input_precision=DOT_PRECISION)
+            racc = tl.dot(r, k, racc, input_precision=DOT_PRECISION)
+        sacc = tl.dot(r, e1, sacc, input_precision=DOT_PRECISION)
     return acc, racc, sacc
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
+def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
             sq_b, sq_h, sq_s, sq_d,
             sk_b, sk_h, sk_s, sk_d,
             sv_b, sv_h, sv_s, sv_d,
             sdo_b, sdo_h, sdo_s, sdo_d,
+            so_b, so_h, so_s, so_d,
+            sl_b, sl_h, sl_s, ssink,
             sdq_b, sdq_h, sdq_s, sdq_d,
             H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2, cap_in, cap_out,
             SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
             VARLEN: tl.constexpr, CORRECT: tl.constexpr, HAS_SINK: tl.constexpr,
             EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) blocks first
     h = tl.program_id(1)
     z = tl.program_id(2)
@@ -201,12 +197,10 @@ def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
         row = (b64 * H + h) * SQ + q_start + offs_m
         q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
                            EVEN_M and EVEN_D)
-        if EVEN_M:
-            lse2 = tl.load(LSE2 + row)
-            delta = tl.load(Delta + row)
-        else:
-            lse2 = tl.load(LSE2 + row, mask=offs_m < q_len, other=float("inf"))
-            delta = tl.load(Delta + row, mask=offs_m < q_len, other=0.0)
+        O_base = O + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_s
+        LSE_base = LSE + b64 * sl_b + h.to(tl.int64) * sl_h + q_start.to(tl.int64) * sl_s
+        delta, lse2, target = _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LSE2, TGT,
+                                         row, offs_m, q_len, offs_d, HEAD_DIM, HAS_SINK, EVEN_M and EVEN_D)
 
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         racc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
@@ -243,26 +237,23 @@ def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
             acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
                                        K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
                                        win_right, scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP,
-                                       True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N)
+                                       True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N, DOT_PRECISION)
         for start_n in range(full_lo, full_hi, BLOCK_N):
             acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
                                        K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
                                        win_right, scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP,
-                                       False, HAS_L, HAS_R, CORRECT, True, EVEN_D, BLOCK_N)
+                                       False, HAS_L, HAS_R, CORRECT, True, EVEN_D, BLOCK_N, DOT_PRECISION)
         for start_n in range(full_hi, hi, BLOCK_N):
             acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
                                        K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
                                        win_right, scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP,
-                                       True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N)
+                                       True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N, DOT_PRECISION)
 
         if CORRECT:
             rho = _rowsum(tl.where(col[None, :] == 0, sacc, 0.0))
             msum = _rowsum(tl.where(col[None, :] == 1, sacc, 0.0))
             if HAS_SINK:  # the exact row sum of dS is the target T = P_sink·D, not 0
-                if EVEN_M:
-                    rho = rho - tl.load(TGT + row)
-                else:
-                    rho = rho - tl.load(TGT + row, mask=offs_m < q_len, other=0.0)
+                rho = rho - target
             lam = tl.where(msum > 0.0, rho / tl.where(msum > 0.0, msum, 1.0), 0.0)
             dq = (acc - lam[:, None] * racc) * scale
             if EVEN_M:
@@ -279,7 +270,8 @@ def _bwd_dq(Q, K, V, DO, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
 def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
                LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right, scale_log2, cap_in, cap_out,
                offs_d, HEAD_DIM, SOFTCAP: tl.constexpr, COLMASK: tl.constexpr, MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
-               FUSED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
+               FUSED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
                        EVEN_M and EVEN_D)
@@ -293,7 +285,7 @@ def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s
         delta = tl.load(Delta + row0 + offs_m, mask=offs_m < q_len, other=0.0)
         if CORRECT:
             lam = tl.load(LAM + row0 + offs_m, mask=offs_m < q_len, other=0.0)
-    sT = tl.dot(k, tl.trans(q))
+    sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
     pT, tauT = _probs(sT, lse2[None, :], scale_log2, cap_in, cap_out, SOFTCAP)
     if COLMASK:  # keys past the end (padding of the last tile): keep their scratch P finite
         pT = tl.where(offs_n[:, None] < k_len, pT, 0.0)
@@ -305,22 +297,22 @@ def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s
         if HAS_L:
             vis = vis & (offs_n[:, None] >= diag - win_left)
         pT = tl.where(vis, pT, 0.0)
-    dpT = tl.dot(v, tl.trans(do))
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     rT = pT.to(q.dtype)
-    dv = tl.dot(rT, do, dv)
+    dv = tl.dot(rT, do, dv, input_precision=DOT_PRECISION)
     if CORRECT and FUSED:
         gT = pT * (dpT - delta[None, :] - lam[None, :])  # t − λr before any rounding, rounded once
     else:
         gT = pT * (dpT - delta[None, :])
     if SOFTCAP:
         gT = gT * tauT
-    dk = tl.dot(gT.to(q.dtype), q, dk)
+    dk = tl.dot(gT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     if CORRECT and not FUSED:
         if SOFTCAP:
             wT = (rT.to(tl.float32) * tauT).to(q.dtype)
         else:
             wT = rT
-        dk = tl.dot((-(lam[None, :] * wT.to(tl.float32))).to(q.dtype), q, dk)
+        dk = tl.dot((-(lam[None, :] * wT.to(tl.float32))).to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -336,7 +328,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
               SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
               VARLEN: tl.constexpr, CORRECT: tl.constexpr, FUSED: tl.constexpr,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     z = tl.program_id(2)
@@ -388,17 +380,17 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
                 dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
                                     LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
                                     scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
-                                    False, EVEN_D, BLOCK_M)
+                                    False, EVEN_D, BLOCK_M, DOT_PRECISION)
             for start_m in range(full_lo, full_hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
                                     LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
                                     scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP, not EVEN_N, False, HAS_L, HAS_R, CORRECT, FUSED,
-                                    True, EVEN_D, BLOCK_M)
+                                    True, EVEN_D, BLOCK_M, DOT_PRECISION)
             for start_m in range(full_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
                                     LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
                                     scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
-                                    False, EVEN_D, BLOCK_M)
+                                    False, EVEN_D, BLOCK_M, DOT_PRECISION)
 
         dk = dk * scale
         _store_tile(DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_s, dk, sdk_s, sdk_d,

@@ -1,5 +1,6 @@
-"""The launches of one GProj backward (host side of ``triton_kernels.py``): a preprocess (D, base-2 LSE, the sink
-target), the dQ-major kernel and the KV-major kernel, and the learnable sink's gradient. ``triton_bwd`` checks
+"""The launches of one GProj backward (host side of ``triton_kernels.py``): the dQ-major kernel (which also writes
+D, the base-2 LSE and the sink target for the next launch) and the KV-major kernel, and the learnable sink's
+gradient. ``triton_bwd`` checks
 the inputs, allocates the outputs, picks block configs and builds the ``Launch``."""
 from __future__ import annotations
 
@@ -52,10 +53,13 @@ def sink_gradient(target: torch.Tensor, job: Launch) -> torch.Tensor:
 
 
 def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernels: dict) -> torch.Tensor:
-    """Run the launches ``parts`` names ("pre", "dq", "dkdv"; benchmarks time them apart); returns the fp32 (B·H, SQ) buffer of T = P_sink·D (D itself without a sink).
+    """Run the launches ``parts`` names ("dq", "dkdv"; benchmarks time them apart: the dK/dV launch alone then
+    reads scratch the dQ launch did not write, a timing, not a result); returns the fp32 (B·H, SQ) buffer of
+    T = P_sink·D (D itself without a sink).
 
-    Scratch: fp32 (B·H, SQ) D, base-2 LSE (+inf on -inf rows), λ and T; D's buffer stands in as a placeholder
-    pointer for λ when uncorrected, and for T and the sink without a sink."""
+    Scratch: fp32 (B·H, SQ) D, base-2 LSE (+inf on -inf rows), λ and T, written by the dQ-major launch; D's
+    buffer stands in as a placeholder pointer for λ when uncorrected, and for T and the sink without a sink.
+    fp32 inputs (the FP32 tier) run every product as an IEEE fp32 dot."""
     q, k, v, do, o, lse = job.q, job.k, job.v, job.do, job.o, job.lse
     B, H, SQ, _ = q.shape
     HKV, SK = k.shape[1], k.shape[2]
@@ -71,29 +75,24 @@ def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernel
     target = torch.empty_like(delta) if has_sink else delta
     sink = job.sink if has_sink else delta
     sink_stride = job.sink.stride(0) if has_sink else 0
-    BS = 16 if interpret else 64
-    if "pre" in parts:
-        km._preprocess[(triton.cdiv(SQ, BS), B * H)](
-            o, do, lse, delta, lse2, sink, target,
-            *o.stride(), *do.stride(), *lse.stride(), sink_stride,
-            H, SQ, D, HAS_SINK=has_sink, BLOCK_S=BS, BLOCK_D=BD, num_warps=4)
-
     group = H // HKV
     alpha, softcap = job.alpha, job.softcap
     cap = (alpha / softcap, softcap * math.log2(math.e)) if softcap > 0 else (1.0, 1.0)
     common = dict(SOFTCAP=softcap > 0, BOTTOM_RIGHT=job.bottom_right, HAS_L=left >= 0, HAS_R=right >= 0,
-                  VARLEN=job.varlen, CORRECT=job.correct, EVEN_D=BD == D)
-    if job.max_q == 0 or job.max_k == 0:
-        return target  # every sequence empty on one side: gradients are the zeros already there
+                  VARLEN=job.varlen, CORRECT=job.correct, EVEN_D=BD == D,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     kq = kk = None
-    if "dq" in parts:
+    if job.max_q == 0:
+        return target  # every sequence has no query: dk, dv are the zeros already there
+    if "dq" in parts:  # also when every sequence has no key: it writes dq = 0 and the sink target
         kq = km._bwd_dq[(triton.cdiv(job.max_q, bm_q), H, job.n_problems)](
-            q, k, v, do, job.dq, delta, lse2, lam, target, job.cu_q, job.cu_k,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *job.dq.stride(),
+            q, k, v, do, o, lse, sink, job.dq, delta, lse2, lam, target, job.cu_q, job.cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *o.stride(), *lse.stride(), sink_stride,
+            *job.dq.stride(),
             H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap, HAS_SINK=has_sink,
             EVEN_M=(not job.varlen) and SQ % bm_q == 0, EVEN_N=(not job.varlen) and SK % bn_q == 0,
             BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=BD, num_warps=w_q, num_stages=st_q, **common)
-    if "dkdv" in parts:
+    if "dkdv" in parts and job.max_k > 0:
         kk = km._bwd_dkdv[(triton.cdiv(job.max_k, bn_k), HKV, job.n_problems)](
             q, k, v, do, job.dk, job.dv, delta, lse2, lam, job.cu_q, job.cu_k,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *job.dk.stride(), *job.dv.stride(),
