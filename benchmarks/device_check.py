@@ -212,6 +212,52 @@ def _bench(fn):
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def fa4_backward_ms(q, k, v, do, causal):
+    """FA4's backward (flash-attn-4's CuTe kernels, when installed: DESIGN.md §4), or nan."""
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except Exception as e:  # not carried in this call
+        log(f"fa4 not timed: {type(e).__name__}: {str(e)[:120]}")
+        return float("nan")
+    try:
+        qq, kk, vv = (x.transpose(1, 2).contiguous().detach().requires_grad_() for x in (q, k, v))
+        y = flash_attn_func(qq, kk, vv, causal=causal)
+        y = y[0] if isinstance(y, tuple) else y
+        dot = do.transpose(1, 2).contiguous()
+        fn = lambda: torch.autograd.grad(y, (qq, kk, vv), dot, retain_graph=True)  # noqa: E731
+        fn()
+        return _bench(fn)
+    except Exception as e:  # pragma: no cover
+        log(f"fa4 failed: {type(e).__name__}: {str(e)[:200]}")
+        return float("nan")
+
+
+def fp32_tier_ms(q, k, v, do, o, lse, causal):
+    """The FP32 tier's backward two ways (chunked fp32 GEMMs; the kernel on fp32 copies, IEEE dots, as the router
+    runs it: copies included), and its error against fp64 on the first batch entry and head."""
+    from gproj_patch.backends.fp32_tier import fp32_backward
+    res = {}
+    kernel_form = lambda: gproj_backward(*(x.float() for x in (do, q, k, v, o)), lse, causal=causal)  # noqa
+    chunked = lambda: fp32_backward(q, k, v, do, causal=causal)  # noqa: E731
+    for tag, fn in (("fp32_kernel_bwd", kernel_form), ("fp32_chunked_bwd", chunked)):
+        try:
+            t0 = time.time()
+            fn()
+            torch.cuda.synchronize()
+            res[tag] = _bench(fn) if time.time() - t0 < 5.0 else (time.time() - t0) * 1e3
+        except Exception as e:  # pragma: no cover
+            res[tag] = float("nan")
+            log(f"{tag} failed: {type(e).__name__}: {str(e)[:300]}")
+    try:
+        sl = lambda x: x[:1, :1]  # noqa: E731  (k, v: the KV head of query head 0)
+        ref = reference_backward(sl(q), sl(k), sl(v), sl(do), causal=causal)
+        got = gproj_backward(*(sl(x).float() for x in (do, q, k, v, o)), sl(lse), causal=causal)
+        res["fp32_kernel_err"] = [rel(a, b) for a, b in zip(got, ref)]
+    except Exception as e:  # pragma: no cover
+        log(f"fp32 kernel accuracy failed: {type(e).__name__}: {str(e)[:300]}")
+    return res
+
+
 def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -227,9 +273,9 @@ def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
         fn = lambda extra=extra: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg, **extra)  # noqa
         fn()
         res[tag] = _bench(fn)
-    # one launch at a time (results invalid, timing only): preprocess, dq kernel, dkdv kernel
+    # one launch at a time (results invalid, timing only): dq kernel (with D and the LSE), dkdv kernel
     for corr in (True, False):
-        for part in ("pre", "dq", "dkdv"):
+        for part in ("dq", "dkdv"):
             triton_bwd._RUN = (part,)
             try:
                 fn = lambda corr=corr: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg,  # noqa
@@ -237,7 +283,7 @@ def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
                 fn()
                 res[f"part_{part}_{'gproj' if corr else 'unc'}"] = _bench(fn)
             finally:
-                triton_bwd._RUN = ("pre", "dq", "dkdv")
+                triton_bwd._RUN = ("dq", "dkdv")
     for tag, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         try:
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
@@ -249,6 +295,7 @@ def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
         except Exception as e:  # pragma: no cover
             res[tag] = float("nan")
             log(f"{tag} failed: {e!r}")
+    res["fa4"] = fa4_backward_ms(q, k, v, do, causal)
     try:
         qf, kf, vf = (x.float().detach().requires_grad_() for x in (q, k, v))
         dof = do.float()
@@ -263,63 +310,8 @@ def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
         res["fp32_efficient_fwdbwd"] = float("nan")
         log(f"fp32 efficient failed: {e!r}")
     if fp32_tier:
-        try:
-            from gproj_patch.backends.fp32_tier import fp32_backward, fp32_forward
-
-            def tier():
-                fp32_forward(q, k, v, causal=causal)
-                return fp32_backward(q, k, v, do, causal=causal)
-            t0 = time.time()
-            tier()
-            torch.cuda.synchronize()
-            if time.time() - t0 < 5.0:
-                res["fp32_tier_fwdbwd"] = _bench(tier)
-            else:
-                res["fp32_tier_fwdbwd"] = (time.time() - t0) * 1e3
-        except Exception as e:  # pragma: no cover
-            res["fp32_tier_fwdbwd"] = float("nan")
-            log(f"fp32 tier failed: {e!r}")
+        res.update(fp32_tier_ms(q, k, v, do, o, lse, causal))
     return res
-
-
-SWEEP = {
-    64: {"dq": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (32, 64, 4, 3)],
-         "dkdv": [(32, 128, 4, 3), (32, 128, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 3),
-                  (64, 64, 4, 3)]},
-    128: {"dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2)],
-          "dkdv": [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 3),
-                   (16, 64, 4, 2), (64, 128, 8, 3)]},
-}
-
-
-def sweep(D, S=4096, B=4, H=16, causal=True):
-    """Greedy: best dq config with the default dkdv, then best dkdv with that dq. Returns the chosen pair."""
-    q, k, v, do = _inputs(B, H, S, D)
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-    o, lse = out[0], out[1]
-    best = {"dq": triton_bwd.CONFIGS["dq"][D], "dkdv": triton_bwd.CONFIGS["dkdv"][D]}
-    for which in ("dq", "dkdv"):
-        times = {}
-        for c in SWEEP[D][which]:
-            if time.time() - T_START > SWEEP_DEADLINE:
-                log(f"sweep D={D} {which} {c}: skipped (time budget)")
-                continue
-            cfg = dict(best)
-            cfg[which] = c
-            try:
-                fn = lambda cfg=cfg: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg)  # noqa
-                fn()
-                torch.cuda.synchronize()
-                times[c] = _bench(fn)
-                log(f"  regs/spills {triton_bwd.LAST_KERNELS}")
-            except Exception as e:
-                times[c] = float("inf")
-                log(f"sweep D={D} {which} {c} failed: {type(e).__name__}: {str(e)[:200]}")
-            log(f"sweep D={D} {which} {c}: {times[c]:.3f} ms")
-        if times:
-            best[which] = min(times, key=times.get)
-    log(f"sweep D={D} chosen {best}")
-    return best
 
 
 def main():
@@ -352,10 +344,11 @@ def main():
         log(f"suite took {time.time() - t0:.1f} s")
     result["suite"] = suite
     if args.sweep:
+        from kernel_sweep import sweep  # benchmarks/kernel_sweep.py
         for D in (64, 128):
             t0 = time.time()
             try:
-                best = sweep(D)
+                best = sweep(D, deadline=T_START + SWEEP_DEADLINE)
                 triton_bwd.CONFIGS["dq"][D], triton_bwd.CONFIGS["dkdv"][D] = best["dq"], best["dkdv"]
             except Exception:
                 log(traceback.format_exc())
@@ -376,68 +369,13 @@ def main():
     result["timings"] = timings
     with open(os.path.join(args.out, "device_check.json"), "w") as f:
         json.dump(result, f, indent=1)
+    from device_report import markdown  # benchmarks/device_report.py
     section = markdown(result)
     with open(os.path.join(args.out, "bench_section.md"), "w") as f:
         f.write(section)
     with open(os.path.join(args.out, "device_check.log"), "w") as f:
         f.write("\n".join(LOG))
     print("\n" + section)
-
-
-NOTES = {"sharp_p1": " (P==1 rows: beyond fp32)", "query_offset": " (not a gauge symmetry)",
-         "softcap": " (softcap 5: no exact gauge)"}
-
-
-def _pct(x):
-    return "nan" if x != x else f"{100 * x:.3g}%"
-
-
-def markdown(r):
-    lines = [f"### Kernel run {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M')} UTC — {r['gpu']}, "
-             f"torch {r['torch']}, triton {r['triton']}", ""]
-    if r["suite"]:
-        lines += ["BF16, error ‖x − ref‖/‖ref‖ vs fp64 (inputs BF16, saved O BF16). two = GProj two-product dk, "
-                  "fused = GProj fused dk, unc = same kernel correct=False.", "",
-                  "| case | two dq | two dk | two dv | fused dq | fused dk | unc dq | unc dk | det |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for s in r["suite"]:
-            if s["case"] == "witness":
-                lines.append(f"| witness dq[0] (exact 0) | {s['two_dq0']:g} | | | {s['fused_dq0']:g} | | "
-                             f"{s['unc_dq0']:g} | | {s['deterministic']} |")
-                continue
-            note = "" if s["gauge"] else NOTES.get(s["case"], " (not gauge)")
-            lines.append(f"| {s['case']}{note} | {_pct(s['two_dq'])} | "
-                         f"{_pct(s['two_dk'])} | {_pct(s['two_dv'])} | {_pct(s['fused_dq'])} | "
-                         f"{_pct(s['fused_dk'])} | {_pct(s['unc_dq'])} | {_pct(s['unc_dk'])} | "
-                         f"{s['deterministic']} |")
-        lines.append("")
-    if r["timings"]:
-        lines += [f"Configs (BLOCK_M, BLOCK_N, warps, stages): {json.dumps(r['configs'])}", "",
-                  "Median ms (`triton.testing.do_bench`), BF16 backward; FP32 = forward+backward.", "",
-                  f"GProj = default dk form ({triton_bwd.DEFAULT_DK_FORM}).", "",
-                  "| B,H,S,D,causal | GProj | two-product dk | fused dk | uncorrected | cuDNN bwd | flash bwd "
-                  "| FP32 eff fwd+bwd | FP32 tier fwd+bwd | GProj/cuDNN | GProj/unc | FP32/GProj "
-                  "| TFLOP/s 5-product count (GProj / cuDNN) | TFLOP/s 8-product count (GProj) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for t in r["timings"]:
-            g = t.get("gproj", float("nan"))
-            f = lambda k: t.get(k, float("nan"))  # noqa: E731
-            lines.append(f"| {','.join(str(int(x)) if not isinstance(x, bool) else 'T' if x else 'F' for x in t['shape'])} "
-                         f"| {g:.3f} | {f('gproj_two'):.3f} | {f('gproj_fused'):.3f} | {f('uncorrected'):.3f} | "
-                         f"{f('cudnn'):.3f} | "
-                         f"{f('flash'):.3f} | {f('fp32_efficient_fwdbwd'):.2f} | {f('fp32_tier_fwdbwd'):.2f} | "
-                         f"×{g / f('cudnn'):.2f} | ×{g / f('uncorrected'):.2f} | "
-                         f"×{f('fp32_efficient_fwdbwd') / g:.1f} | {tflops(t['shape'], g):.0f} / "
-                         f"{tflops(t['shape'], f('cudnn')):.0f} | {tflops(t['shape'], g, 8):.0f} |")
-        lines += ["", "One launch at a time (ms): preprocess / dq kernel / dkdv kernel, GProj vs uncorrected.", "",
-                  "| B,H,S,D,causal | pre | dq GProj | dq unc | dkdv GProj | dkdv unc |", "|---|---|---|---|---|---|"]
-        for t in r["timings"]:
-            f = lambda k: t.get(k, float("nan"))  # noqa: E731
-            lines.append(f"| {','.join(str(x) for x in t['shape'])} | {f('part_pre_gproj'):.3f} | "
-                         f"{f('part_dq_gproj'):.3f} | {f('part_dq_unc'):.3f} | {f('part_dkdv_gproj'):.3f} | "
-                         f"{f('part_dkdv_unc'):.3f} |")
-        lines.append("")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

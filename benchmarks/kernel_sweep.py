@@ -1,0 +1,111 @@
+"""Block-config sweeps of the GProj Triton kernels on the GPU (greedy: the best dq config with the current dkdv
+config, then the best dkdv config with that dq config), for the BF16 kernels and for the FP32 tier's kernel form.
+
+    python benchmarks/kernel_sweep.py [--dims 32,256] [--fp32-dims 64,128] [--deadline 300] [--out DIR]
+
+``device_check.py --sweep`` calls ``sweep`` for D = 64 and 128. Every candidate is timed (do_bench median of the
+whole backward); a candidate that fails to compile or run (shared memory, registers) is skipped with its error.
+Writes ``sweep.json`` and prints the chosen configs last, in the form of ``triton_bwd.CONFIGS``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from gproj_patch.backends import triton_bwd  # noqa: E402
+from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
+
+# candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; the current default is always tried
+SWEEP = {
+    32: {"dq": [(64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)],
+         "dkdv": [(64, 128, 4, 3), (128, 64, 8, 3), (32, 128, 4, 3), (128, 128, 8, 3)]},
+    64: {"dq": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (32, 64, 4, 3)],
+         "dkdv": [(32, 128, 4, 3), (32, 128, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 3),
+                  (64, 64, 4, 3)]},
+    128: {"dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2)],
+          "dkdv": [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 3),
+                   (16, 64, 4, 2), (64, 128, 8, 3)]},
+    256: {"dq": [(64, 32, 4, 1), (32, 32, 4, 1), (64, 64, 8, 1), (32, 64, 4, 1)],
+          "dkdv": [(32, 32, 4, 1), (16, 64, 4, 1), (32, 64, 4, 1), (64, 32, 8, 1)]},
+}
+SWEEP_FP32 = {
+    64: {"dq": [(64, 32, 4, 2), (32, 64, 4, 2), (16, 32, 4, 2), (64, 64, 8, 2)],
+         "dkdv": [(32, 64, 4, 2), (64, 32, 4, 2), (16, 64, 4, 2), (64, 64, 8, 2)]},
+    128: {"dq": [(32, 32, 4, 2), (16, 16, 4, 2), (32, 16, 4, 2), (16, 32, 4, 1)],
+          "dkdv": [(32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2), (16, 32, 4, 1)]},
+}
+#: the sweep's shapes: (B, H, S) per padded head dim, causal; FP32 smaller (IEEE products are ~15× slower)
+SHAPE = {32: (4, 16, 4096), 64: (4, 16, 4096), 128: (4, 16, 4096), 256: (2, 16, 4096)}
+SHAPE_FP32 = {64: (1, 16, 4096), 128: (1, 16, 4096)}
+
+
+def _bench(fn):
+    import triton.testing as tt
+    return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sweep(D, *, fp32=False, deadline=float("inf"), log=print, causal=True):
+    """The greedy sweep at head dim D; returns {"dq": cfg, "dkdv": cfg, "times": {...}}."""
+    B, H, S = (SHAPE_FP32 if fp32 else SHAPE)[D]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, S, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    o, lse = out[0], out[1]
+    if fp32:
+        q, k, v, do, o = (x.float() for x in (q, k, v, do, o))
+    table = triton_bwd.CONFIGS_FP32 if fp32 else triton_bwd.CONFIGS
+    best = {"dq": table["dq"][D], "dkdv": table["dkdv"][D]}
+    times = {}
+    for which in ("dq", "dkdv"):
+        cand = {}
+        for c in [best[which]] + [c for c in (SWEEP_FP32 if fp32 else SWEEP)[D][which] if c != best[which]]:
+            if time.time() > deadline:
+                log(f"sweep D={D} fp32={fp32} {which} {c}: skipped (time budget)")
+                continue
+            cfg = dict(best, **{which: c})
+            try:
+                fn = lambda cfg=cfg: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                cand[c] = _bench(fn)
+                log(f"sweep D={D} fp32={fp32} {which} {c}: {cand[c]:.3f} ms  regs/spills {triton_bwd.LAST_KERNELS}")
+            except Exception as e:
+                log(f"sweep D={D} fp32={fp32} {which} {c} failed: {type(e).__name__}: {str(e)[:200]}")
+        if cand:
+            best[which] = min(cand, key=cand.get)
+        times[which] = {str(c): t for c, t in cand.items()}
+    log(f"sweep D={D} fp32={fp32} chosen {best}")
+    return dict(best, times=times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", default="32,256")
+    ap.add_argument("--fp32-dims", default="64,128")
+    ap.add_argument("--deadline", type=float, default=300.0)
+    ap.add_argument("--out", default=os.environ.get("OUT", "sweep_out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    end = time.time() + args.deadline
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    jobs = [(int(d), False) for d in args.dims.split(",") if d] + [(int(d), True) for d in args.fp32_dims.split(",") if d]
+    for D, fp32 in jobs:
+        result[f"{'fp32' if fp32 else 'low'}_{D}"] = sweep(D, fp32=fp32, deadline=end)
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print("\nchosen:")
+    for key, r in result.items():
+        if isinstance(r, dict):
+            print(f"  {key}: dq {r['dq']} dkdv {r['dkdv']}")
+
+
+if __name__ == "__main__":
+    main()
