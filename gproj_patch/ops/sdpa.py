@@ -16,12 +16,13 @@ with ``is_causal``.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import functools
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .. import policy, telemetry
+from .. import config as _config, policy, telemetry
 from ..backends.compat import fused_sdpa_lse
 from ..backends.spec import LOW_PRECISION, default_scale
 from ..config import POLICY_MODES, Config
@@ -47,8 +48,7 @@ def set_original(fn: Optional[Callable]) -> None:
     _Original.fn = C_SDPA if fn is None else fn
 
 
-def _detach_pack(t: Tensor) -> Tensor:
-    return t.detach()
+_detach_pack = torch.Tensor.detach  # the saved-tensor pack hook (a C method: no Python frame per saved tensor)
 
 
 def _identity_unpack(t: Tensor) -> Tensor:
@@ -63,7 +63,7 @@ def run_original_with_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     stores a *detached* alias: storing the tensor itself would put an output inside its own grad_fn, a reference
     cycle through C++ that Python's collector cannot see (every call's tensors would leak)."""
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_detach_pack, _identity_unpack):
-        qi, ki, vi = (t.detach().requires_grad_() for t in (q, k, v))
+        qi, ki, vi = q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()
         inner = _Original.fn(qi, ki, vi, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
                              enable_gqa=enable_gqa)
     return inner, fused_sdpa_lse(inner.grad_fn), (qi, ki, vi)
@@ -74,8 +74,18 @@ def problem_for(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bo
     mask, causal, align, window = mask_as_flags(attn_mask, q.shape[2], k.shape[2])
     if is_causal:
         causal, align = True, "top_left"
-    return Problem(scale=default_scale(q.shape[-1], scale), causal=causal, causal_align=align, window=window,
-                   attn_mask=mask, padded=mask is not None)
+    scale = default_scale(q.shape[-1], scale)
+    if mask is None and type(scale) is float:  # (a symbolic scale under tracing is built, not interned)
+        return _flags_problem(scale, causal, align, window)
+    return Problem(scale=scale, causal=causal, causal_align=align, window=window, attn_mask=mask,
+                   padded=mask is not None)
+
+
+@functools.lru_cache(maxsize=256)
+def _flags_problem(scale: float, causal: bool, align: str, window: Tuple[int, int]) -> Problem:
+    """The Problem of a call without a mask tensor, one frozen instance per (scale, flags): pure (immutable
+    key, immutable value, no tensor), so calls share it instead of building 14 fields each time."""
+    return Problem(scale=scale, causal=causal, causal_align=align, window=window)
 
 
 def backward_tensors(record: CallRecord, do, q, k, v, out, lse):
@@ -121,13 +131,15 @@ class _SdpaFunction(torch.autograd.Function):
 
 
 def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Optional[str]:
-    """Why this SDPA call keeps the original path (None: it gets the corrected backward)."""
-    subclass = [type(t).__name__ for t in (q, k, v, attn_mask) if t is not None and type(t) not in _PLAIN]
-    if subclass:
+    """Why this SDPA call keeps the original path (None: it gets the corrected backward). Checked in this order;
+    plain ``or`` chains rather than generators (this runs on every hooked call)."""
+    if not (type(q) in _PLAIN and type(k) in _PLAIN and type(v) in _PLAIN
+            and (attn_mask is None or type(attn_mask) in _PLAIN)):
+        subclass = [type(t).__name__ for t in (q, k, v, attn_mask) if t is not None and type(t) not in _PLAIN]
         return f"tensor subclass {', '.join(dict.fromkeys(subclass))} (dispatches SDPA itself)"
-    if any(t.is_nested for t in (q, k, v)):
+    if q.is_nested or k.is_nested or v.is_nested:
         return "nested tensors"
-    if any(t.numel() == 0 for t in (q, k, v)):
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return "empty input"
     if dropout_p > 0.0:
         return "dropout > 0 (the fused kernel's dropout mask cannot be replayed by another backward)"
@@ -167,15 +179,14 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
     ``cfg``: the options when the patch is not enabled (``gproj_patch.attention``); ``layer`` names the call for
     the policy when no ``layer_scope`` is open (else ``call{n}``)."""
-    from .. import config
-    cfg = config.active() or cfg or config.Config()
+    cfg = _config.active() or cfg or Config()
     orig = _Original.fn
-    if (query.dtype == torch.float32 and cfg.mode != "off" and torch.is_grad_enabled()
-            and type(query) in _PLAIN):
+    mode = cfg.mode
+    if query.dtype == torch.float32 and mode != "off" and torch.is_grad_enabled() and type(query) in _PLAIN:
         low = _autocast_dtype(query.device.type)
         if low is not None:  # autocast would run SDPA in low precision (and leak): cast as autocast does
             query, key, value = (t.to(low) for t in (query, key, value))
-    if not _needs_correction(query, key, value, cfg.mode):
+    if not _needs_correction(query, key, value, mode):
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
     reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal)
@@ -205,11 +216,10 @@ def _original_counted(orig, context, query, key, value, attn_mask, is_causal, sc
     telemetry.record_forward("patched")
     out = orig(query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
                enable_gqa=enable_gqa)
-    shape = telemetry.shape_class("sdpa", query, key)
 
     def counted(_grad_inputs, _grad_outputs):
         backward_ran()
-        telemetry.record_backward("original", None, shape)
+        telemetry.record_backward("original")  # no reason: the shape class is only a log key
         policy.count_original(context)
     if out.grad_fn is not None:
         out.grad_fn.register_hook(counted)
