@@ -27,6 +27,7 @@ from .config import POLICY_MODES
 from .backends.spec import normalize_lse
 from .layer_context import backward_ran
 from .record import CallRecord, Problem
+from .state import STATE
 
 Grads = Tuple[torch.Tensor, ...]
 
@@ -51,18 +52,62 @@ def graph_backward(kept, do: torch.Tensor) -> Optional[Callable[[], Grads]]:
     return lambda: torch.autograd.grad(inner, aliases, do)
 
 
+#: devices whose kernel predicate depends only on the cache key below (on CPU it also reads the interpreter's
+#: environment variables at each call, so CPU answers are never cached)
+CACHED_DEVICES = ("cuda",)
+_KERNEL_CACHE_SIZE = 1024
+_MISSING = object()
+_kernel_module = None
+
+
+def _triton_bwd():
+    """``backends.triton_bwd``, imported on first use (it imports triton) and then held (ImportError each time
+    while it cannot be imported)."""
+    global _kernel_module
+    if _kernel_module is None:
+        from .backends import triton_bwd
+        _kernel_module = triton_bwd
+    return _kernel_module
+
+
+def _kernel_key(t: BackwardTensors, problem: Problem) -> Optional[tuple]:
+    """Cache key of ``kernel_reason`` (None: not cacheable): for 4-D inputs on a ``CACHED_DEVICES`` device, with
+    no mask tensor, sink or softcap and the forward's output and LSE, ``kernel_unsupported_reason`` reads only
+    the device type, the dtypes, the head dims and B·H. A new input of that predicate must join this key."""
+    q, k, v = t.q, t.k, t.v
+    if (problem.attn_mask is not None or problem.sink is not None or problem.softcap != 0.0 or t.o is None
+            or t.lse is None or q.dim() != 4 or k.dim() != 4 or v.dim() != 4):
+        return None
+    device = q.device.type
+    if device not in CACHED_DEVICES:
+        return None
+    qs = q.shape
+    return device, q.dtype, k.dtype, v.dtype, qs[0] * qs[1], qs[3], k.shape[3], v.shape[3]
+
+
 def kernel_reason(t: BackwardTensors, problem: Problem) -> Optional[str]:
-    """Why the GProj Triton kernel cannot take this backward (None when it can)."""
+    """Why the GProj Triton kernel cannot take this backward (None when it can). Answers for a ``_kernel_key``
+    are kept in the runtime state (``STATE.kernel_reasons``, cleared by ``reset()``)."""
     if problem.dropout_p > 0.0:
         return "dropout > 0 (the kernel takes no dropout mask)"
+    key = _kernel_key(t, problem)
+    cache = STATE.kernel_reasons
+    if key is not None:
+        cached = cache.get(key, _MISSING)
+        if cached is not _MISSING:
+            return cached
     try:
-        from .backends.triton_bwd import kernel_unsupported_reason
+        triton_bwd = _triton_bwd()
     except ImportError as exc:  # triton missing
         return f"no triton kernel ({exc})"
-    reason = kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask, softcap=problem.softcap,
-                                       sink=problem.sink)
+    reason = triton_bwd.kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask,
+                                                  softcap=problem.softcap, sink=problem.sink)
     if reason is None and (t.o is None or t.lse is None):
         return "the forward returned no LSE (non-fused forward)"
+    if key is not None:
+        if len(cache) >= _KERNEL_CACHE_SIZE:  # bounded (many B·H values): start over
+            cache.clear()
+        cache[key] = reason
     return reason
 
 
@@ -117,6 +162,8 @@ def _run_fp32(t: BackwardTensors, problem: Problem) -> Grads:
 
 
 def _cast(grads: Grads, t: BackwardTensors) -> Grads:
+    if grads[0].dtype == t.q.dtype and grads[1].dtype == t.k.dtype and grads[2].dtype == t.v.dtype:
+        return grads
     like = (t.q, t.k, t.v)
     return tuple(g if i >= 3 or g.dtype == like[i].dtype else g.to(like[i].dtype) for i, g in enumerate(grads))
 
@@ -150,8 +197,9 @@ def run_backward(record: CallRecord, t: BackwardTensors, original: Optional[Call
     an uncorrected stand-in rather than the real fused backward (logged as the reason when it runs).
     """
     backward_ran()
-    if t.lse is not None:
-        t = BackwardTensors(t.do, t.q, t.k, t.v, t.o, normalize_lse(t.lse, *t.q.shape[:3]), t.dead_rows)
+    lse = t.lse
+    if lse is not None and not (lse.dtype == torch.float32 and lse.shape == t.q.shape[:3]):  # else already so
+        t = BackwardTensors(t.do, t.q, t.k, t.v, t.o, normalize_lse(lse, *t.q.shape[:3]), t.dead_rows)
     tier, reason = choose_tier(record, t, original is not None)
     if tier == "original":
         reason = stand_in_reason or reason
@@ -161,7 +209,8 @@ def run_backward(record: CallRecord, t: BackwardTensors, original: Optional[Call
     else:
         grads = _run_fp32(t, record.problem)
     grads = _cast(tuple(grads), t)
-    telemetry.record_backward(tier, reason, telemetry.shape_class(record.context.source, t.q, t.k))
+    # the shape class only keys the once-per-class log of a reason: built only when there is one
+    telemetry.record_backward(tier, reason, telemetry.shape_class(record.context.source, t.q, t.k) if reason else ())
     if record.context.mode in policy.MODES:
         policy.after_backward(record, tier=tier, grads=grads, fp32_grads=lambda: _run_fp32(t, record.problem))
     return grads

@@ -40,6 +40,8 @@ class RuntimeState:
             self.layers: Dict[str, Any] = {}
             self.events: List[Dict[str, Any]] = []
             self.detector_failed = False
+            # router.kernel_reason's answers per key (device type, dtypes, head dims, B·H): cleared with the rest
+            self.kernel_reasons: Dict[tuple, Optional[str]] = {}
 
     # --- steps ------------------------------------------------------------------------------------------
     def step(self) -> int:

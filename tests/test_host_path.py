@@ -1,0 +1,175 @@
+"""The per-call host path of the SDPA hook (issue 11.2): what it caches cannot give a stale answer.
+
+``router.kernel_reason`` keeps its answers per (device type, dtypes, head dims, B·H) in the runtime state, on
+``router.CACHED_DEVICES`` only (CUDA: on CPU the kernel predicate also reads the interpreter's environment at
+each call). Here the cache is turned on for CPU tensors under ``TRITON_INTERPRET=1`` (where the predicate's
+answer then depends on the same inputs: fp16 runs the interpreted kernel, bf16 is refused) and the backend
+compute is replaced by zero gradients: the tests are about which tier each call gets and what ``stats()``
+counts, call after call, as dtype, head dim, B·H, causal, mode and ``enable()`` options change in between.
+``ops/sdpa.problem_for`` shares one frozen ``Problem`` per (scale, flags) among calls without a mask tensor.
+"""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gproj_patch
+from gproj_patch import router
+from gproj_patch.backends import triton_bwd
+from gproj_patch.ops import sdpa as sdpa_op
+from gproj_patch.state import STATE
+
+pytestmark = pytest.mark.usefixtures("patch_off")
+
+BF16_REASON = "bfloat16 under the Triton interpreter (inexact)"
+
+
+@pytest.fixture
+def cached_cpu(monkeypatch):
+    """Kernel tier choosable on CPU, kernel_reason cached for CPU tensors, backend compute stubbed; returns the
+    list of (tier, dtype) each backward ran."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (GPROJ_TIER=triton would also make a refusal an error)
+    monkeypatch.setattr(router, "CACHED_DEVICES", ("cuda", "cpu"))
+    ran = []
+
+    def stub(tier):
+        def run(t, problem):
+            ran.append((tier, t.q.dtype, bool(problem.causal)))
+            return torch.zeros_like(t.q), torch.zeros_like(t.k), torch.zeros_like(t.v)
+        return run
+    monkeypatch.setattr(router, "_run_kernel", stub("gproj"))
+    monkeypatch.setattr(router, "_run_fp32", stub("fp32"))
+    return ran
+
+
+def _call(dtype=torch.float16, B=1, H=2, S=8, D=16, causal=True):
+    q, k, v = (torch.randn(B, H, S, D).to(dtype).requires_grad_() for _ in range(3))
+    F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+
+
+def test_dtype_head_dim_and_batch_heads_changes_get_their_own_answer(cached_cpu):
+    gproj_patch.enable(mode="gproj", targets=("sdpa",))
+    for _ in range(2):  # the second round is answered from the cache: the same tiers
+        _call(torch.float16)
+        _call(torch.bfloat16)
+        _call(torch.float16, D=300)             # head dim above the kernel's 256
+        _call(torch.float16, B=1, H=70000, S=1)  # B·H over the CUDA grid limit
+        _call(torch.float16, B=2, H=3)
+    assert [t for t, _, _ in cached_cpu] == ["gproj", "fp32", "fp32", "fp32", "gproj"] * 2
+    s = gproj_patch.stats()
+    assert (s["gproj"], s["fp32"]) == (4, 6)
+    assert s["fallback_reasons"][BF16_REASON] == 2
+    assert s["fallback_reasons"]["head_dim=300"] == 2
+    assert sum(n for r, n in s["fallback_reasons"].items() if r.startswith("batch·heads")) == 2
+    assert len(STATE.kernel_reasons) == 5
+
+
+def test_cached_answers_equal_the_predicate(cached_cpu):
+    """Every cached answer is what kernel_unsupported_reason says for those inputs now."""
+    gproj_patch.enable(mode="gproj", targets=("sdpa",))
+    for dtype in (torch.float16, torch.bfloat16):
+        for D in (1, 64, 256, 257):
+            _call(dtype, D=D, S=4)
+    assert len(STATE.kernel_reasons) == 8
+    for (device, dtype, _kd, _vd, bh, d, _dk, _dv), reason in STATE.kernel_reasons.items():
+        q = torch.zeros(1, bh, 4, d, dtype=dtype, device=device)
+        assert reason == triton_bwd.kernel_unsupported_reason(q, q, q), (dtype, d)
+
+
+def _enable(**options):
+    gproj_patch.disable()
+    gproj_patch.enable(targets=("sdpa",), **options)
+
+
+def test_mode_causal_and_enable_options_between_calls(cached_cpu):
+    _enable(mode="gproj")
+    _call(torch.float16, causal=True)
+    _call(torch.float16, causal=False)
+    _enable(mode="fp32")
+    _call(torch.float16)
+    _enable(mode="gproj", tier="fp32")
+    _call(torch.float16)
+    _enable(mode="gproj")
+    _call(torch.float16, causal=False)
+    _call(torch.bfloat16)
+    _enable(mode="gproj", tier="triton")
+    with pytest.raises(RuntimeError, match="bfloat16 under the Triton interpreter"):
+        _call(torch.bfloat16)  # tier "triton" turns the cached refusal into the error, as uncached
+    assert [(t, c) for t, _, c in cached_cpu] == [("gproj", True), ("gproj", False), ("fp32", True),
+                                                  ("fp32", True), ("gproj", False), ("fp32", True)]
+    s = gproj_patch.stats()
+    assert (s["gproj"], s["fp32"], s["fallback_reasons"][BF16_REASON]) == (3, 3, 1)
+
+
+def test_reset_stats_clears_the_cache(cached_cpu):
+    gproj_patch.enable(mode="gproj", targets=("sdpa",))
+    _call(torch.float16)
+    assert STATE.kernel_reasons
+    gproj_patch.reset_stats()
+    assert not STATE.kernel_reasons
+
+
+def test_cpu_answers_are_not_cached_by_default(monkeypatch):
+    """On CPU the predicate reads the interpreter's environment at each call: never cached, so turning the
+    interpreter off between calls takes effect at once."""
+    ran = []
+    monkeypatch.setattr(router, "_run_kernel", lambda t, p: ran.append("gproj") or (t.q * 0, t.k * 0, t.v * 0))
+    monkeypatch.setattr(router, "_run_fp32", lambda t, p: ran.append("fp32") or (t.q * 0, t.k * 0, t.v * 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gproj_patch.enable(mode="gproj", targets=("sdpa",))
+    _call(torch.float16)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    _call(torch.float16)
+    assert ran == ["gproj", "fp32"] and not STATE.kernel_reasons
+
+
+def test_threads_count_every_call(cached_cpu):
+    gproj_patch.enable(mode="gproj", targets=("sdpa",))
+    errors = []
+
+    def work(dtype):
+        try:
+            for _ in range(20):
+                _call(dtype)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=work, args=(d,)) for d in (torch.float16, torch.bfloat16) * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = gproj_patch.stats()
+    assert (s["gproj"], s["fp32"], s["fallback_reasons"][BF16_REASON]) == (60, 60, 60)
+    assert sorted(set((t, d) for t, d, _ in cached_cpu), key=str) == \
+        sorted({("gproj", torch.float16), ("fp32", torch.bfloat16)}, key=str)
+
+
+def test_problem_shared_per_flags_and_fresh_with_a_mask():
+    q = torch.randn(1, 2, 8, 16)
+    a = sdpa_op.problem_for(q, q, None, True, None)
+    assert sdpa_op.problem_for(q, q, None, True, None) is a
+    assert (a.scale, a.causal, a.attn_mask, a.padded) == (16 ** -0.5, True, None, False)
+    b = sdpa_op.problem_for(q, q, None, False, 0.5)
+    assert b is not a and (b.scale, b.causal) == (0.5, False)
+    causal_mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert sdpa_op.problem_for(q, q, causal_mask, False, None) is a  # an exact causal mask becomes the flags
+    mask = torch.rand(8, 8) > 0.5
+    m = sdpa_op.problem_for(q, q, mask, False, None)
+    assert m.attn_mask is mask and m.padded and sdpa_op.problem_for(q, q, mask, False, None) is not m
+
+
+def test_lse_in_any_layout_reaches_the_tiers_as_b_h_s(monkeypatch):
+    """The router skips normalize_lse only for an LSE already (B, H, Sq) fp32; other layouts are normalized."""
+    seen = []
+    monkeypatch.setattr(router, "_run_fp32", lambda t, p: seen.append(t.lse) or (t.q * 0, t.k * 0, t.v * 0))
+    q = torch.randn(2, 3, 5, 8)
+    lse = torch.randn(2, 3, 5)
+    record = router.CallRecord(sdpa_op.problem_for(q, q, None, False, None),
+                               gproj_patch.record.make_context("sdpa", "x", gproj_patch.config.resolve(mode="fp32")))
+    for given in (lse, lse[..., None], torch.cat([lse, torch.zeros(2, 3, 27)], -1), lse.double()):
+        router.run_backward(record, router.BackwardTensors(q, q, q, q, q, given))
+    assert seen[0] is lse
+    for got in seen:
+        assert got.shape == (2, 3, 5) and got.dtype == torch.float32 and torch.equal(got, lse)
