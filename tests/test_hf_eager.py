@@ -114,6 +114,22 @@ def test_wrapped_at_install_and_restored_by_identity():
     assert hf_eager.original_of(modeling_llama.eager_attention_forward) is original
 
 
+def test_rebound_after_install_is_left_with_a_warning(caplog):
+    original = unpatched(modeling_llama.eager_attention_forward)
+
+    def theirs(*args, **kwargs):
+        return original(*args, **kwargs)
+    modeling_llama.eager_attention_forward = theirs
+    try:
+        with caplog.at_level("WARNING", logger="gproj_patch"):
+            hf_eager.uninstall()
+        assert modeling_llama.eager_attention_forward is theirs
+        assert any("modeling_llama.eager_attention_forward was rebound after enable()" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        modeling_llama.eager_attention_forward = original
+
+
 def test_module_imported_later_is_wrapped():
     candidates = ("olmo", "olmo2", "stablelm", "starcoder2", "persimmon", "cohere", "granite", "helium")
     name = next((f"transformers.models.{c}.modeling_{c}" for c in candidates

@@ -118,6 +118,24 @@ def test_disable_unregisters_gproj():
     assert "gproj" not in AttentionInterface._global_mapping
 
 
+def test_disable_leaves_a_gproj_entry_registered_again_after_enable(caplog):
+    """Someone else's "gproj" registered after enable() stays after disable(), with a warning (as every other
+    hook restores: by identity)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    def theirs(*args, **kwargs):
+        raise AssertionError("not called")
+    AttentionInterface.register("gproj", theirs)
+    try:
+        with caplog.at_level("WARNING", logger="gproj_patch"):
+            gproj_patch.disable()
+        assert AttentionInterface._global_mapping["gproj"] is theirs
+        assert any("AttentionInterface['gproj'] was registered again after enable()" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        AttentionInterface._global_mapping.pop("gproj", None)
+
+
 def test_attention_dropout_in_training_keeps_the_fused_path():
     """HF attention dropout: the fused forward (and its own dropout mask) stays; the call passes through with
     the reason counted — the same loss and gradients as without the patch."""

@@ -6,7 +6,8 @@ eager_attention_forward)``), so replacing that global reaches every model on ``a
 ``output_attentions=True`` included. ``install()`` wraps it in every modeling module already imported and, through
 ``import_hooks.call_after_import`` (one pending callback per modeling module name, listed from the installed
 package's files without importing anything), in each one imported later. ``uninstall()`` restores each global
-by identity (only where it still holds our wrapper) and withdraws the pending callbacks.
+by identity (only where it still holds our wrapper, else it warns and leaves it) and withdraws the pending
+callbacks.
 
 What a wrapped call does. The wrapper calls the model's own function, same arguments, same ops: the forward is
 the unpatched forward bit for bit and the attention weights are still returned (``ops/hf_eager.py``). Whether
@@ -35,6 +36,8 @@ import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
+
+from . import restore_by_identity
 
 logger = logging.getLogger("gproj_patch")
 
@@ -381,8 +384,8 @@ def uninstall() -> None:
             hook.cancel()
         _pending.clear()
         for module, original, wrapper in reversed(_patched):
-            if getattr(module, ATTRIBUTE, None) is wrapper:
-                setattr(module, ATTRIBUTE, original)
+            restore_by_identity(vars(module), ATTRIBUTE, wrapper, original,
+                                where=f"{module.__name__}.{ATTRIBUTE}", change="rebound")
         _patched.clear()
 
 

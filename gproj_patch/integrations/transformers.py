@@ -15,8 +15,9 @@ GQA natively (no ``repeat_kv`` copy), ``is_causal`` as HF's SDPA path sets it, a
 A boolean mask that is exactly causal or causal + sliding window (HF builds those for Mistral/Qwen2/Gemma
 windows) is recognised in the backward and handed to the kernel as flags, not as a mask.
 
-``uninstall()`` puts both registries back as they were (the key removed, or the previous value restored):
-a model built with "gproj" needs the patch enabled to run.
+``uninstall()`` puts both registries back as they were (the key removed, or the previous value restored) where
+they still hold what ``install()`` put there (``restore_by_identity``: an entry registered again after
+``enable()`` is left, with a warning): a model built with "gproj" needs the patch enabled to run.
 """
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ from ..backends.spec import SINK_SOFTCAP_REASON
 from ..ops import attention_sink
 from ..ops import hf_eager as eager_op
 from ..ops import sdpa as sdpa_op
+from . import ABSENT, restore_by_identity
 
 logger = logging.getLogger("gproj_patch")
 
 NAME = "gproj"
-_saved: Optional[dict] = None  # {"attention": previous or _MISSING, "mask": previous or _MISSING}
-_MISSING = object()
+_saved: Optional[dict] = None  # {"attention": previous or ABSENT, "mask": previous or ABSENT}
 _pending = None  # the import hook waiting for transformers.modeling_utils, when registration is deferred
 
 
@@ -164,8 +165,8 @@ def _register() -> str:
         from transformers.modeling_utils import AttentionInterface
     except ImportError as exc:
         return f"skipped: transformers not importable ({exc})"
-    _saved = {"attention": compat.hf_registry_mapping(AttentionInterface).get(NAME, _MISSING),
-              "mask": compat.hf_registry_mapping(AttentionMaskInterface).get(NAME, _MISSING)}
+    _saved = {"attention": compat.hf_registry_mapping(AttentionInterface).get(NAME, ABSENT),
+              "mask": compat.hf_registry_mapping(AttentionMaskInterface).get(NAME, ABSENT)}
     AttentionInterface.register(NAME, gproj_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return "installed"
@@ -178,13 +179,10 @@ def uninstall() -> None:
         _pending = None
     if _saved is None:
         return
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
-    for registry, key in ((AttentionInterface, "attention"), (AttentionMaskInterface, "mask")):
-        previous = _saved[key]
-        mapping = compat.hf_registry_mapping(registry)
-        if previous is _MISSING:
-            mapping.pop(NAME, None)
-        else:
-            mapping[NAME] = previous
+    for registry, key, ours in ((AttentionInterface, "attention", gproj_attention_forward),
+                                (AttentionMaskInterface, "mask", sdpa_mask)):
+        restore_by_identity(compat.hf_registry_mapping(registry), NAME, ours, _saved[key],
+                            where=f"transformers' {registry.__name__}[{NAME!r}]", change="registered again")
     _saved = None
