@@ -27,6 +27,8 @@ from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
 
 LOG = []
+#: indices into SHAPES where the FP32 tier is timed too (D = 64 and 128, causal)
+FP32_SHAPES = (0, 1)
 T_START = time.time()
 SWEEP_DEADLINE = float(os.environ.get("SWEEP_DEADLINE", 330))
 
@@ -359,7 +361,7 @@ def main():
         for i, shp in enumerate(SHAPES):
             t0 = time.time()
             try:
-                r = time_shape(*shp, fp32_tier=(i == 0) and not args.skip_fp32_tier)
+                r = time_shape(*shp, fp32_tier=i in FP32_SHAPES and not args.skip_fp32_tier)
             except Exception:
                 log(traceback.format_exc())
                 r = {}

@@ -10,6 +10,11 @@
 #           joins the wheel (sha256 checked), installs flash-attn-4 and its libraries with
 #           `pip --no-index --no-deps --target /tmp/site`, then runs flash-attention's FA4 tests
 #           (benchmarks/external_gpu.py fa4).
+#   prepare carry: .whl/ext1 — only keeps FA4's first half in /tmp (stage1 without the suite; the call can go on
+#           with other work, e.g. GPU tests, while the machine stays warm for the next stage)
+#   timing  carry: .whl/ext2 (right after stage1 or prepare, as stage2)
+#           installs flash-attn-4 the same way, then runs benchmarks/run_device.sh with it importable, so that
+#           device_check.py times FA4's backward next to GProj, cuDNN and flash (RUN_DEVICE_ENV: its options).
 #
 # Run from the repository root: `bash benchmarks/external_gpu.sh stage1` (then `stage2`). Results in $OUT:
 # <suite>.log (everything, the diff of outcomes last), <suite>_summary.txt, <suite>_outcomes.json and
@@ -47,36 +52,51 @@ run_suite() {  # $1 = torch | fa4
     return "$rc"
 }
 
+install_fa4() {  # join the two halves of the cutlass wheel, install FA4 into $SITE, import it once
+    local part0 t0
+    part0=$(ls "$PARTS/$CU13.part-00" .whl/ext1/"$CU13".part-00 2>/dev/null | head -n 1)
+    if [ -z "$part0" ] || [ ! -f .whl/ext2/"$CU13".part-01 ]; then
+        echo "stage 1's half of $CU13 is gone (the machine was given back between the calls) or .whl/ext2 was"
+        echo "not carried: run stage1 again, then this stage right after it"
+        return 3
+    fi
+    mkdir -p /tmp/gproj_external_wheels
+    cat "$part0" .whl/ext2/"$CU13".part-01 > /tmp/gproj_external_wheels/"$CU13"
+    (cd /tmp/gproj_external_wheels && sha256sum -c "$OLDPWD/.whl/ext2/SHA256SUMS") || return 3
+    install /tmp/gproj_external_wheels/"$CU13" $(ls "$PARTS"/*.whl .whl/ext2/*.whl | grep -v expecttest) || return 3
+    export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    t0=$SECONDS
+    python3 -c "import flash_attn.cute.interface as i; print('flash_attn.cute', i.__file__)" || return 3
+    echo "first FA4 import: $((SECONDS - t0)) s"
+}
+
 python3 -c "import torch; print('torch', torch.__version__, torch.version.git_version, torch.cuda.get_device_name())"
 
-case "$stage" in
-stage1)
+keep_first_half() {
     mkdir -p "$PARTS"
-    cp .whl/ext1/*.whl .whl/ext1/*.part-* .whl/ext1/SHA256SUMS "$PARTS"/ || { echo "carry .whl/ext1"; exit 3; }
+    cp .whl/ext1/*.whl .whl/ext1/*.part-* .whl/ext1/SHA256SUMS "$PARTS"/ || { echo "carry .whl/ext1"; return 3; }
+}
+
+case "$stage" in
+prepare)
+    keep_first_half || exit 3
+    ;;
+stage1)
+    keep_first_half || exit 3
     install .whl/ext1/expecttest-*.whl || exit 3
     export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     run_suite torch
     ;;
 stage2)
-    part0=$(ls "$PARTS/$CU13.part-00" .whl/ext1/"$CU13".part-00 2>/dev/null | head -n 1)
-    if [ -z "$part0" ] || [ ! -f .whl/ext2/"$CU13".part-01 ]; then
-        echo "stage 1's half of $CU13 is gone (the machine was given back between the calls) or .whl/ext2 was"
-        echo "not carried: run stage1 again, then stage2 right after it"
-        exit 3
-    fi
-    mkdir -p /tmp/gproj_external_wheels
-    cat "$part0" .whl/ext2/"$CU13".part-01 > /tmp/gproj_external_wheels/"$CU13"
-    (cd /tmp/gproj_external_wheels && sha256sum -c "$OLDPWD/.whl/ext2/SHA256SUMS") || exit 3
-    small=$(ls "$PARTS"/*.whl .whl/ext2/*.whl | grep -v expecttest)
-    install /tmp/gproj_external_wheels/"$CU13" $small || exit 3
-    export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    t0=$SECONDS
-    python3 -c "import flash_attn.cute.interface as i; print('flash_attn.cute', i.__file__)" || exit 3
-    echo "first FA4 import: $((SECONDS - t0)) s"
+    install_fa4 || exit 3
     run_suite fa4
     ;;
+timing)
+    install_fa4 || exit 3
+    bash benchmarks/run_device.sh
+    ;;
 *)
-    echo "usage: $0 stage1|stage2"
+    echo "usage: $0 stage1|stage2|prepare|timing"
     exit 2
     ;;
 esac

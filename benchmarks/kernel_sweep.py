@@ -31,8 +31,8 @@ SWEEP = {
          "dkdv": [(32, 128, 4, 3), (32, 128, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 3),
                   (64, 64, 4, 3)]},
     128: {"dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2)],
-          "dkdv": [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 3),
-                   (16, 64, 4, 2), (64, 128, 8, 3)]},
+          "dkdv": [(32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2),
+                   (64, 64, 4, 3), (16, 64, 4, 2), (64, 128, 8, 3)]},
     256: {"dq": [(64, 32, 4, 1), (32, 32, 4, 1), (64, 64, 8, 1), (32, 64, 4, 1)],
           "dkdv": [(32, 32, 4, 1), (16, 64, 4, 1), (32, 64, 4, 1), (64, 32, 8, 1)]},
 }
@@ -52,7 +52,7 @@ def _bench(fn):
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def sweep(D, *, fp32=False, deadline=float("inf"), log=print, causal=True):
+def sweep(D, *, fp32=False, deadline=float("inf"), log=print, causal=True, kinds=("dq", "dkdv")):
     """The greedy sweep at head dim D; returns {"dq": cfg, "dkdv": cfg, "times": {...}}."""
     B, H, S = (SHAPE_FP32 if fp32 else SHAPE)[D]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -64,7 +64,7 @@ def sweep(D, *, fp32=False, deadline=float("inf"), log=print, causal=True):
     table = triton_bwd.CONFIGS_FP32 if fp32 else triton_bwd.CONFIGS
     best = {"dq": table["dq"][D], "dkdv": table["dkdv"][D]}
     times = {}
-    for which in ("dq", "dkdv"):
+    for which in kinds:
         cand = {}
         for c in [best[which]] + [c for c in (SWEEP_FP32 if fp32 else SWEEP)[D][which] if c != best[which]]:
             if time.time() > deadline:
@@ -91,6 +91,7 @@ def main():
     ap.add_argument("--dims", default="32,256")
     ap.add_argument("--fp32-dims", default="64,128")
     ap.add_argument("--deadline", type=float, default=300.0)
+    ap.add_argument("--kinds", default="dq,dkdv", help="which kernels to sweep (the other keeps its default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "sweep_out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -98,7 +99,8 @@ def main():
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     jobs = [(int(d), False) for d in args.dims.split(",") if d] + [(int(d), True) for d in args.fp32_dims.split(",") if d]
     for D, fp32 in jobs:
-        result[f"{'fp32' if fp32 else 'low'}_{D}"] = sweep(D, fp32=fp32, deadline=end)
+        result[f"{'fp32' if fp32 else 'low'}_{D}"] = sweep(D, fp32=fp32, deadline=end,
+                                                           kinds=tuple(args.kinds.split(",")))
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(result, f, indent=1)
     print("\nchosen:")
