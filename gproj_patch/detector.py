@@ -236,7 +236,7 @@ def _kernel_statistics(q, k, lse, qidx, kidx, alpha: float, u: float) -> Optiona
     """The CUDA path: ``backends/detector_kernel.py`` (two launches), then the 7 summary values copied without
     blocking into pinned memory, with an event to wait on. None when the kernel does not take these inputs (the
     reason logged once) or has failed before (then the caller's torch path runs)."""
-    from .backends.detector_kernel import detector_kernel_supported, head_statistics
+    from .backends.detector_kernel import detector_kernel_supported, launch_head_statistics
     supported, reason = detector_kernel_supported(q, k, lse)
     if not supported:
         if reason not in _KERNEL_STATE["logged"] and len(_KERNEL_STATE["logged"]) < _MAX_LOGGED_REASONS:
@@ -247,7 +247,7 @@ def _kernel_statistics(q, k, lse, qidx, kidx, alpha: float, u: float) -> Optiona
         return None
     with torch.cuda.device(q.device):
         try:
-            out = head_statistics(q, k, lse, scale=alpha, u=u, q_index=qidx, k_index=kidx)
+            out = launch_head_statistics(q, k, lse, scale=alpha, u=u, q_index=qidx, k_index=kidx)
         except Exception as exc:  # e.g. a compiler failure on this GPU: the torch path from now on, said once
             _KERNEL_STATE["failed"] = True
             _log.warning("the detector's Triton kernel failed (%s: %s); it runs as torch arithmetic",

@@ -298,6 +298,14 @@ def head_statistics(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor
         if index is not None and (index.dim() != 1 or index.numel() == 0 or index.device != q.device
                                   or index.dtype != torch.int64):
             raise ValueError(f"{name} must be a non-empty 1-D int64 tensor on {q.device}")
+    return launch_head_statistics(q, k, lse, scale=scale, u=u, q_index=q_index, k_index=k_index)
+
+
+def launch_head_statistics(q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], *, scale: float,
+                           u: float, q_index: Optional[torch.Tensor],
+                           k_index: Optional[torch.Tensor]) -> HeadStatistics:
+    """``head_statistics`` without its checks, for a caller that has just asked ``detector_kernel_supported``
+    itself (the detector, before its fallback) and builds the indices as required (1-D int64, q's device)."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     n_q, n_kv = B * Hq, B * Hkv
