@@ -173,3 +173,21 @@ def test_lse_in_any_layout_reaches_the_tiers_as_b_h_s(monkeypatch):
     assert seen[0] is lse
     for got in seen:
         assert got.shape == (2, 3, 5) and got.dtype == torch.float32 and torch.equal(got, lse)
+
+
+def test_create_graph_backward_keeps_the_once_differentiable_guard(monkeypatch):
+    """The SDPA Function's backward skips once_differentiable's wrapper only where it changes nothing (grad mode
+    off); under create_graph the gradients still carry its double-backward error, and the values are equal."""
+    monkeypatch.setattr(router, "_run_fp32", lambda t, p: (t.q * 0 + 1, t.k * 0 + 2, t.v * 0 + 3))
+    gproj_patch.enable(mode="fp32", targets=("sdpa",))
+    q, k, v = (torch.randn(1, 2, 8, 16).bfloat16().requires_grad_() for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    dq, dk, dv = torch.autograd.grad((out.float() ** 2).sum(), (q, k, v), create_graph=True)
+    assert dq.requires_grad and type(dq.grad_fn).__name__ == "Error"  # the DelayedError node
+    assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
+        dq.float().sum().backward()
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    dq, = torch.autograd.grad((out.float() ** 2).sum(), (q,))
+    assert not dq.requires_grad and (dq == 1).all()
+    assert gproj_patch.stats()["fp32"] == 2

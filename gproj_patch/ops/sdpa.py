@@ -112,22 +112,32 @@ class _SdpaFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        original = graph_backward(ctx.inner, do)
-        tensors, record = backward_tensors(ctx.record, do, q, k, v, out, lse)
-        pad = None
-        if record.problem.padded:  # not right padding: maybe left padding, as varlen segments (exact)
-            pad = padding_as_varlen(record.problem.attn_mask, do, q.shape[2], k.shape[2], empty_rows_inert=True)
-        if pad is None:
-            grads = run_backward(record, tensors, original)
-        else:
-            tensors, packed = packed_call(pad, record.problem, do=do, q=q, k=k, v=v, out=out, lse=lse)
-            packed_original = None if original is None else (lambda: tuple(pad.pack(g) for g in original()))
-            grads = unpack_grads(pad, run_backward(CallRecord(packed, record.context), tensors, packed_original))
-        ctx.inner = None
-        return grads[0], grads[1], grads[2], None, None, None, None, None
+        # once_differentiable: its no_grad and double-backward guard act only when the backward runs with grad
+        # mode on (create_graph=True); in the usual backward grad mode is off and its wrapper would change nothing
+        if torch.is_grad_enabled():
+            return _backward_once(ctx, do)
+        return _backward(ctx, do)
+
+
+def _backward(ctx, do):
+    q, k, v, out, lse = ctx.saved_tensors
+    original = graph_backward(ctx.inner, do)
+    tensors, record = backward_tensors(ctx.record, do, q, k, v, out, lse)
+    pad = None
+    if record.problem.padded:  # not right padding: maybe left padding, as varlen segments (exact)
+        pad = padding_as_varlen(record.problem.attn_mask, do, q.shape[2], k.shape[2], empty_rows_inert=True)
+    if pad is None:
+        grads = run_backward(record, tensors, original)
+    else:
+        tensors, packed = packed_call(pad, record.problem, do=do, q=q, k=k, v=v, out=out, lse=lse)
+        packed_original = None if original is None else (lambda: tuple(pad.pack(g) for g in original()))
+        grads = unpack_grads(pad, run_backward(CallRecord(packed, record.context), tensors, packed_original))
+    ctx.inner = None
+    return grads[0], grads[1], grads[2], None, None, None, None, None
+
+
+_backward_once = torch.autograd.function.once_differentiable(_backward)
 
 
 def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Optional[str]:
