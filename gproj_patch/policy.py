@@ -106,6 +106,7 @@ class LayerRecord:
     transitions: int = 0
     audit: Dict[str, float] = field(default_factory=dict)
     audit_pending: bool = False
+    unran: List[Dict[str, Any]] = field(default_factory=list)  # its events in STATE.events still without "ran"
 
     def as_dict(self) -> Dict[str, Any]:
         return {"tier": self.ran or self.tier, "policy_tier": self.tier, "calls": dict(self.calls), "samples": self.samples,
@@ -158,9 +159,10 @@ def decide(record, *, q, k, lse) -> str:
             if new != old:
                 rec.transitions += 1
                 rec.tier = new
-                STATE.events.append({"layer": ctx.layer, "step": step, "from": old, "to": new,
-                                     "leak_dq": leak_dq, "leak_dk": leak_dk, "r_k": summary["r_k"],
-                                     "r_q": summary["r_q"], "p_sink": summary["p_sink"]})
+                event = {"layer": ctx.layer, "step": step, "from": old, "to": new, "leak_dq": leak_dq,
+                         "leak_dk": leak_dk, "r_k": summary["r_k"], "r_q": summary["r_q"], "p_sink": summary["p_sink"]}
+                STATE.events.append(event)
+                rec.unran.append(event)
         return rec.tier
 
 
@@ -194,9 +196,9 @@ def after_backward(record, *, tier: str, grads: Sequence[Optional[Any]] = (),
             return
         rec.calls[tier] += 1
         rec.ran = tier
-        for event in STATE.events:  # a transition names the tier that actually ran for it
-            if event["layer"] == rec.name and "ran" not in event:
-                event["ran"] = tier
+        for event in rec.unran:  # a transition names the tier that actually ran for it
+            event["ran"] = tier
+        rec.unran.clear()
         if not rec.audit_pending or fp32_grads is None or record.context.mode != "audit":
             return
         rec.audit_pending = False
@@ -261,6 +263,8 @@ def pop_events() -> List[Dict[str, Any]]:
     ran — the tier that then ran —, and the statistics)."""
     with STATE.lock:
         out, STATE.events = STATE.events, []
+        for rec in STATE.layers.values():  # popped events are the caller's now: never marked after this
+            rec.unran.clear()
         return out
 
 

@@ -72,6 +72,26 @@ def test_layer_does_not_flap_between_thresholds():
     assert policy.pop_events() == []
 
 
+def test_events_name_the_tier_that_ran_until_popped():
+    """after_backward marks the layer's own events that still lack "ran" (kept per layer, not found by a scan of
+    every event); an event popped before its backward is the caller's and stays unmarked."""
+    policy.configure(sample_every=1, sink_amplification=False)
+    policy.set_step(0)
+    assert _decide(layer="A", **_qk(k_off=_offset_for_rk(3.0))) == "gproj"
+    assert _decide(layer="B", **_qk(k_off=_offset_for_rk(3.0))) == "gproj"
+    _after("A", "auto", "fp32", (), None)  # e.g. the kernel did not apply: the FP32 tier ran
+    popped = policy.pop_events()
+    assert [(e["layer"], e.get("ran")) for e in popped] == [("A", "fp32"), ("B", None)]
+    _after("B", "auto", "gproj", (), None)
+    assert "ran" not in popped[1]
+    policy.set_step(1)
+    assert _decide(layer="B", **_qk(seed=1)) == "original"
+    _after("B", "auto", "original", (), None)
+    _after("B", "auto", "gproj", (), None)  # a later backward does not rewrite it
+    assert [(e["layer"], e["from"], e["to"], e["ran"]) for e in policy.pop_events()] == [("B", "gproj", "original",
+                                                                                           "original")]
+
+
 def test_fp32_when_queries_carry_a_large_common_offset():
     policy.configure(sample_every=1, sink_amplification=False)
     assert _decide(layer="A", **_qk(q_off=_offset_for_rk(20))) == "fp32"
