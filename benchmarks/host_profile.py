@@ -11,10 +11,15 @@ FP16, causal: CPU compute ~170 µs a call, the H200 benchmark's 1·2·128·64 co
 * ``auto``        — ``enable(mode="auto")``, benign keys: after its first (sampled) call the layer stays on
                     ``original`` and the hook passes the forward through (``policy.keeps_original``);
 * ``auto-gproj``  — ``auto`` with ``gproj_enter = gproj_exit = 0``: the layer is on ``gproj`` and every call
-                    goes through ``policy.decide`` and the (stubbed) kernel tier.
+                    goes through ``policy.decide`` and the (stubbed) kernel tier;
+* ``gproj-host``  — ``gproj`` with the real ``router._run_kernel``: ``backends.triton_bwd.gproj_backward``'s own
+                    host work (checks, allocations, the launch description) runs, only its launches
+                    (``triton_bwd._launch``) are stubbed. CPU tensors take its interpreter branch (block sizes
+                    fixed, no CUDA config lookup); on CUDA the launches' own Python (~45 µs each) adds to it.
 
 MEASUREMENT HARNESS, not package behaviour: inside this script only, ``gproj_patch.router._run_kernel`` and
-``_run_fp32`` are replaced by stubs returning zero gradients (no Triton launch, no FP32 recompute), and
+``_run_fp32`` are replaced by stubs returning zero gradients (no Triton launch, no FP32 recompute; in
+``gproj-host`` only ``triton_bwd._launch`` is: the gradients are then uninitialised memory), and
 ``GPROJ_TIER=triton`` makes the kernel tier choosable for CPU FP16 tensors (as the tests do). What the patched arms
 (``gproj``, ``auto-gproj``) cost over ``floor`` is the package's Python.
 
@@ -35,8 +40,10 @@ import torch.nn.functional as F  # noqa: E402
 
 import gproj_patch  # noqa: E402
 from gproj_patch import router  # noqa: E402
+from gproj_patch.backends import triton_bwd  # noqa: E402
 
-ARMS = ("unpatched", "floor", "gproj", "auto", "auto-gproj")
+ARMS = ("unpatched", "floor", "gproj", "auto", "auto-gproj", "gproj-host")
+_REAL = {"_run_kernel": router._run_kernel, "_run_fp32": router._run_fp32}
 
 
 class _Floor(torch.autograd.Function):
@@ -65,13 +72,22 @@ def _stub(t, problem):
     return torch.zeros_like(t.q), torch.zeros_like(t.k), torch.zeros_like(t.v)
 
 
+def _launch_stub(km, interpret, job):
+    """Measurement stub for the Triton launches of ``backends.triton_bwd`` (``gproj-host`` arm)."""
+    return job.lse
+
+
 def _arm(arm):
+    """Enable the patch as the arm says; install the measurement stubs (module docstring)."""
     gproj_patch.disable()
     gproj_patch.reset_stats()
     gproj_patch.policy.reset(keep_config=False)
+    router._run_fp32 = _stub
+    router._run_kernel = _REAL["_run_kernel"] if arm == "gproj-host" else _stub
+    triton_bwd._launch = _launch_stub
     if arm in ("unpatched", "floor"):
         return
-    mode = "gproj" if arm == "gproj" else "auto"
+    mode = "gproj" if arm.startswith("gproj") else "auto"
     # auto-gproj: thresholds 0 through the environment (as keywords, gproj_enter below the default gproj_exit
     # is refused one option at a time by config.policy_options)
     for var in ("GPROJ_AUTO_ENTER", "GPROJ_AUTO_EXIT"):
@@ -156,8 +172,6 @@ def main():
     args = ap.parse_args()
     args.shape = tuple(int(x) for x in args.shape.split(","))
     torch.set_num_threads(1)
-    router._run_kernel = _stub  # measurement harness only (module docstring)
-    router._run_fp32 = _stub
     arms = args.arms.split(",")
     for arm in arms if args.top else ():
         if arm not in ("unpatched", "floor"):
