@@ -82,10 +82,11 @@ def scaled_dot_product_attention(*args, **kwargs):
     every call goes to the original function untouched."""
     if _saved is None:
         return sdpa_op.original_sdpa()(*args, **kwargs)
-    relevant = [a for a in args[:4] if a is not None]
-    if kwargs:
-        relevant += [kwargs[n] for n in _TENSOR_ARGS if kwargs.get(n) is not None]
-    if any([getattr(t, "is_nested", False) for t in relevant]):
+    # a tuple, built so: dynamo traces this wrapper, and a list here broke compiled CausalBias calls (PyTorch's
+    # TestAttnBiasCPU compile variants in tests/test_external_torch_sdpa.py)
+    relevant = tuple(a for a in args[:4] if a is not None) + \
+        tuple(kwargs[n] for n in _TENSOR_ARGS if kwargs.get(n) is not None)
+    if any(getattr(t, "is_nested", False) for t in relevant):
         # nested tensors dispatch on the builtin itself (their table is keyed by it): hand the call over untouched
         if torch.is_grad_enabled():
             telemetry.record_forward("original", "sdpa: nested tensors", telemetry.shape_class("sdpa", *relevant[:2]))
