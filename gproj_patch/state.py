@@ -1,7 +1,8 @@
 """The one runtime state of the patch: counters, step and call numbering, per-layer policy records.
 
 Everything a process accumulates while the patch runs lives in ``STATE`` (one lock); ``reset()`` clears all of
-it (``gproj_patch.reset_stats()`` calls it). What is *configuration* — the enabled ``Config``, the policy
+it (``gproj_patch.reset_stats()`` calls it) — including the one memo of the call path, ``router.kernel_reason``'s
+answers per (device type, dtypes, head dims, B·H). What is *configuration* — the enabled ``Config``, the policy
 overrides of ``policy.configure()`` — is not state and survives a reset.
 
 One step notion. A *step* is one forward-then-backward round: the first attention forward after a backward ran
