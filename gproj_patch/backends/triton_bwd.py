@@ -102,20 +102,23 @@ DEFAULT_DK_FORM = "fused"
 
 # Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels,
 # chosen by greedy sweeps on the H200 (benchmarks/kernel_sweep.py; BENCHMARKS.md, NOTES_kernel.md): 64 and 128 in
-# run 3, 32 and 256 in run 19 (at 4·16·4096·32 causal ×1.12 faster than the 64 config it used to borrow; at
-# 2·16·4096·256 causal ×1.27 faster than the first guess, dkdv without spills). 16 takes the 32 config.
+# run 3, 32 and 256 in run 19 (at 4·16·4096·32 causal ×1.14 faster than the 64 config it used to borrow; at
+# 2·16·4096·256 causal ×1.36 faster than the first guess, dkdv without spills), 128's dkdv a third stage in run 20
+# (2.169 against 2.260 ms at 4·16·4096·128 causal, no spills). 16 takes the 32 config.
 CONFIGS = {
     "dq": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3), 128: (64, 64, 4, 2), 256: (64, 64, 8, 1)},
-    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 2),
+    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 3),
              256: (32, 32, 4, 1)},
 }
 #: block configs for fp32 inputs (IEEE dots on the FMA units: operands live in registers, so smaller tiles);
-#: 64 swept in run 19 (1·16·4096·64 causal: (32, 32) best of five for each kernel, larger tiles spill); 128 and
-#: 256 sized to the same registers per thread (half / quarter the rows of 64); 16 and 32 take 64's
+#: 64 and 128 swept in runs 19/20 at 1·16·4096·D causal ((32, 32) best for each kernel at both: the smaller
+#: tiles of run 20 spill less but run slower); 256 a quarter of 128's rows (not swept); 16 and 32 take 64's
 CONFIGS_FP32 = {
-    "dq": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (16, 32, 4, 2), 256: (16, 16, 4, 1)},
-    "dkdv": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (16, 32, 4, 2), 256: (16, 16, 4, 1)},
+    "dq": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2), 256: (16, 16, 4, 1)},
+    "dkdv": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2), 256: (16, 16, 4, 1)},
 }
+#: ``tl.dot`` input precision of fp32 inputs (the FP32 tier's kernel form)
+FP32_DOT_PRECISION = "ieee"
 #: smallest padded head dim the kernels use (tl.dot needs an inner dimension of at least 16)
 MIN_BLOCK_D = 16
 #: largest head dim the kernels take
@@ -320,7 +323,8 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv, sink=sink, cu_q=cu_q, cu_k=cu_k, varlen=varlen,
         n_problems=Z, max_q=MQ, max_k=MK, window=(left, right), bottom_right=mask.causal_align == "bottom_right",
         alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(correct),
-        fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv)
+        fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv,
+        dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32")
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         target = _launch(_kernels(interpret), interpret, job)
     if sink is None:

@@ -40,6 +40,7 @@ class Launch:
     fused: bool
     cfg_dq: Tuple[int, int, int, int]
     cfg_dkdv: Tuple[int, int, int, int]
+    dot_precision: str = "tf32"  # tl.dot input precision: irrelevant for bf16/fp16, chosen for fp32 inputs
 
 
 def sink_gradient(target: torch.Tensor, job: Launch) -> torch.Tensor:
@@ -58,8 +59,7 @@ def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernel
     T = P_sink·D (D itself without a sink).
 
     Scratch: fp32 (B·H, SQ) D, base-2 LSE (+inf on -inf rows), λ and T, written by the dQ-major launch; D's
-    buffer stands in as a placeholder pointer for λ when uncorrected, and for T and the sink without a sink.
-    fp32 inputs (the FP32 tier) run every product as an IEEE fp32 dot."""
+    buffer stands in as a placeholder pointer for λ when uncorrected, and for T and the sink without a sink."""
     q, k, v, do, o, lse = job.q, job.k, job.v, job.do, job.o, job.lse
     B, H, SQ, _ = q.shape
     HKV, SK = k.shape[1], k.shape[2]
@@ -80,7 +80,7 @@ def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernel
     cap = (alpha / softcap, softcap * math.log2(math.e)) if softcap > 0 else (1.0, 1.0)
     common = dict(SOFTCAP=softcap > 0, BOTTOM_RIGHT=job.bottom_right, HAS_L=left >= 0, HAS_R=right >= 0,
                   VARLEN=job.varlen, CORRECT=job.correct, EVEN_D=BD == D,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                  DOT_PRECISION=job.dot_precision)
     kq = kk = None
     if job.max_q == 0:
         return target  # every sequence has no query: dk, dv are the zeros already there

@@ -1,0 +1,118 @@
+"""The FP32 tier's kernel form under each fp32 ``tl.dot`` input precision Triton offers on the GPU: accuracy
+against fp64 on the adversarial cases and time against the chunked FP32 tier, in one run (issue 11.2).
+
+    python benchmarks/fp32_form_check.py [--precisions ieee,tf32x3,bf16x6] [--out DIR]
+
+"ieee" is plain fp32 products (FMA units); "tf32x3" splits each operand into a TF32 head and tail and sums three
+tensor-core products (fp32-level accuracy); "bf16x6" does the same with three BF16 pieces and six products. For
+each precision: the relative error of dq/dk/dv against the fp64 oracle on the cases (inputs BF16, saved O BF16,
+the saved LSE), the four-key witness, and the whole backward's time (do_bench median, after a warm-up call) for a
+few block configs at 1·16·4096·D causal, D = 64 and 128, with the chunked tier's time at the same shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from gproj_patch.backends import triton_bwd  # noqa: E402
+from gproj_patch.backends.fp32_tier import fp32_backward  # noqa: E402
+from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
+from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
+from gproj_patch.cases import get_case  # noqa: E402
+
+CASES = ["key_offset_128", "key_offset_512", "sink_offset_64", "repeated_max", "causal_bottom_right", "window",
+         "odd_lengths", "gqa", "varlen", "witness"]
+CONFIGS = [(32, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2)]
+SHAPE = (1, 16, 4096)
+
+
+def rel(x, ref):
+    n = ref.norm()
+    return float((x.double() - ref).norm() / n) if n > 0 else float(x.double().abs().max())
+
+
+def _bench(fn):
+    import triton.testing as tt
+    fn()
+    torch.cuda.synchronize()
+    return tt.do_bench(fn, warmup=5, rep=60, return_mode="median")
+
+
+def accuracy():
+    out = {}
+    for name in CASES:
+        inp = get_case(name).build(dtype=torch.bfloat16, device="cuda", quick=False)
+        o, lse = reference_forward(inp.q, inp.k, inp.v, **inp.mask)
+        ref = reference_backward(inp.q, inp.k, inp.v, inp.do, **inp.mask)
+        got = gproj_backward(*(x.float() for x in (inp.do, inp.q, inp.k, inp.v)), o.to(torch.bfloat16), lse.float(),
+                             **inp.mask)
+        out[name] = max(rel(a, b) for a, b in zip(got, ref))
+        if inp.expected.get("dq_index") is not None:
+            out["witness_dq0"] = float(got[0][inp.expected["dq_index"]])
+    return out
+
+
+def timing(D):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(*SHAPE, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
+    f32 = [x.float() for x in (do, q, k, v, o)]
+    res = {}
+    for c in CONFIGS:
+        try:
+            res[str(c)] = _bench(lambda c=c: gproj_backward(*f32, lse, causal=True, _config={"dq": c, "dkdv": c}))
+            print(f"  D={D} {c}: {res[str(c)]:.2f} ms {triton_bwd.LAST_KERNELS}", flush=True)
+        except Exception as e:
+            print(f"  D={D} {c} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--precisions", default="ieee,tf32x3,bf16x6")
+    ap.add_argument("--out", default=os.environ.get("OUT", "fp32_form_out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    result = {"gpu": torch.cuda.get_device_name(), "shape": SHAPE, "chunked": {}}
+    for D in (64, 128):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(*SHAPE, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
+        result["chunked"][D] = _bench(lambda: fp32_backward(q, k, v, do, causal=True))
+    for prec in args.precisions.split(","):
+        triton_bwd.FP32_DOT_PRECISION = prec
+        print(f"precision {prec} ({time.time() - t0:.0f} s)", flush=True)
+        try:
+            result[prec] = {"error": accuracy(), "ms": {D: timing(D) for D in (64, 128)}}
+        except Exception as e:
+            result[prec] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(result[prec]["failed"], flush=True)
+    with open(os.path.join(args.out, "fp32_form.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nchunked FP32 tier at {SHAPE} causal: " +
+          ", ".join(f"D={D} {ms:.2f} ms" for D, ms in result["chunked"].items()))
+    print("| precision | worst case error (case) | witness dq0 | D=64 best ms (config) | D=128 best ms (config) |")
+    print("|---|---|---|---|---|")
+    for prec in args.precisions.split(","):
+        r = result[prec]
+        if "failed" in r:
+            print(f"| {prec} | failed: {r['failed'][:80]} | | | |")
+            continue
+        errs = {k: v for k, v in r["error"].items() if k != "witness_dq0"}
+        worst = max(errs, key=errs.get)
+        best = {D: min(r["ms"][D].items(), key=lambda kv: kv[1]) if r["ms"][D] else ("-", float("nan"))
+                for D in (64, 128)}
+        print(f"| {prec} | {errs[worst]:.2e} ({worst}) | {r['error'].get('witness_dq0')} | "
+              f"{best[64][1]:.2f} {best[64][0]} | {best[128][1]:.2f} {best[128][0]} |")
+
+
+if __name__ == "__main__":
+    main()
