@@ -75,11 +75,10 @@ def _kernel_key(t: BackwardTensors, problem: Problem) -> Optional[tuple]:
     no mask tensor, sink or softcap and the forward's output and LSE, ``kernel_unsupported_reason`` reads only
     the device type, the dtypes, the head dims and B·H. A new input of that predicate must join this key."""
     q, k, v = t.q, t.k, t.v
-    if (problem.attn_mask is not None or problem.sink is not None or problem.softcap != 0.0 or t.o is None
-            or t.lse is None or q.dim() != 4 or k.dim() != 4 or v.dim() != 4):
-        return None
     device = q.device.type
-    if device not in CACHED_DEVICES:
+    if (device not in CACHED_DEVICES or problem.attn_mask is not None or problem.sink is not None
+            or problem.softcap != 0.0 or t.o is None or t.lse is None or q.dim() != 4 or k.dim() != 4
+            or v.dim() != 4):
         return None
     qs = q.shape
     return device, q.dtype, k.dtype, v.dtype, qs[0] * qs[1], qs[3], k.shape[3], v.shape[3]
