@@ -7,7 +7,8 @@ against fp64 on the adversarial cases and time against the chunked FP32 tier, in
 tensor-core products (fp32-level accuracy); "bf16x6" does the same with three BF16 pieces and six products. For
 each precision: the relative error of dq/dk/dv against the fp64 oracle on the cases (inputs BF16, saved O BF16,
 the saved LSE), the four-key witness, and the whole backward's time (do_bench median, after a warm-up call) for a
-few block configs at 1·16·4096·D causal, D = 64 and 128, with the chunked tier's time at the same shapes.
+few block configs at 1·16·4096·D causal (``--sweep``) or the default config at 4·16·4096·D causal, D = 64 and
+128, with the chunked tier's time at the same shape. Everything is printed as soon as it is measured.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from gproj_patch.cases import get_case  # noqa: E402
 CASES = ["key_offset_128", "key_offset_512", "sink_offset_64", "repeated_max", "causal_bottom_right", "window",
          "odd_lengths", "gqa", "varlen", "witness"]
 CONFIGS = [(32, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2)]
-SHAPE = (1, 16, 4096)
+SHAPE = (1, 16, 4096)  # the config sweep's (--sweep)
+TIMED_SHAPE = (4, 16, 4096)  # device_check's FP32 rows
 
 
 def rel(x, ref):
@@ -60,16 +62,20 @@ def accuracy():
     return out
 
 
-def timing(D):
+def timing(D, sweep):
+    """ms of the kernel form (the default config, or each of CONFIGS with ``sweep``) and of the chunked tier."""
+    shape = SHAPE if sweep else TIMED_SHAPE
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(*SHAPE, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
+    q, k, v, do = (torch.randn(*shape, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
     f32 = [x.float() for x in (do, q, k, v, o)]
-    res = {}
-    for c in CONFIGS:
+    res = {"chunked": _bench(lambda: fp32_backward(q, k, v, do, causal=True))}
+    for c in (CONFIGS if sweep else [None]):
+        cfg = None if c is None else {"dq": c, "dkdv": c}
         try:
-            res[str(c)] = _bench(lambda c=c: gproj_backward(*f32, lse, causal=True, _config={"dq": c, "dkdv": c}))
-            print(f"  D={D} {c}: {res[str(c)]:.2f} ms {triton_bwd.LAST_KERNELS}", flush=True)
+            res[str(c)] = _bench(lambda cfg=cfg: gproj_backward(*f32, lse, causal=True, _config=cfg))
+            print(f"  D={D} {shape} {c or 'default'}: {res[str(c)]:.2f} ms (chunked {res['chunked']:.2f}) "
+                  f"{triton_bwd.LAST_KERNELS}", flush=True)
         except Exception as e:
             print(f"  D={D} {c} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
     return res
@@ -78,40 +84,25 @@ def timing(D):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--precisions", default="ieee,tf32x3,bf16x6")
+    ap.add_argument("--sweep", action="store_true", help="time each of CONFIGS at SHAPE instead of the default")
     ap.add_argument("--out", default=os.environ.get("OUT", "fp32_form_out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    result = {"gpu": torch.cuda.get_device_name(), "shape": SHAPE, "chunked": {}}
-    for D in (64, 128):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(*SHAPE, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
-        result["chunked"][D] = _bench(lambda: fp32_backward(q, k, v, do, causal=True))
+    result = {"gpu": torch.cuda.get_device_name()}
     for prec in args.precisions.split(","):
         triton_bwd.FP32_DOT_PRECISION = prec
         print(f"precision {prec} ({time.time() - t0:.0f} s)", flush=True)
         try:
-            result[prec] = {"error": accuracy(), "ms": {D: timing(D) for D in (64, 128)}}
+            err = accuracy()
+            print(f"  error vs fp64 (worst of dq, dk, dv): {json.dumps(err)}", flush=True)
+            result[prec] = {"error": err}
+            result[prec]["ms"] = {D: timing(D, args.sweep) for D in (64, 128)}
         except Exception as e:
-            result[prec] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+            result.setdefault(prec, {})["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(result[prec]["failed"], flush=True)
-    with open(os.path.join(args.out, "fp32_form.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\nchunked FP32 tier at {SHAPE} causal: " +
-          ", ".join(f"D={D} {ms:.2f} ms" for D, ms in result["chunked"].items()))
-    print("| precision | worst case error (case) | witness dq0 | D=64 best ms (config) | D=128 best ms (config) |")
-    print("|---|---|---|---|---|")
-    for prec in args.precisions.split(","):
-        r = result[prec]
-        if "failed" in r:
-            print(f"| {prec} | failed: {r['failed'][:80]} | | | |")
-            continue
-        errs = {k: v for k, v in r["error"].items() if k != "witness_dq0"}
-        worst = max(errs, key=errs.get)
-        best = {D: min(r["ms"][D].items(), key=lambda kv: kv[1]) if r["ms"][D] else ("-", float("nan"))
-                for D in (64, 128)}
-        print(f"| {prec} | {errs[worst]:.2e} ({worst}) | {r['error'].get('witness_dq0')} | "
-              f"{best[64][1]:.2f} {best[64][0]} | {best[128][1]:.2f} {best[128][0]} |")
+        with open(os.path.join(args.out, "fp32_form.json"), "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -110,15 +110,19 @@ CONFIGS = {
     "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 3),
              256: (32, 32, 4, 1)},
 }
-#: block configs for fp32 inputs (IEEE dots on the FMA units: operands live in registers, so smaller tiles);
-#: 64 and 128 swept in runs 19/20 at 1·16·4096·D causal ((32, 32) best for each kernel at both: the smaller
-#: tiles of run 20 spill less but run slower); 256 a quarter of 128's rows (not swept); 16 and 32 take 64's
+#: block configs for fp32 inputs with ``FP32_DOT_PRECISION``'s products: 64 and 128 from run 21's sweep at
+#: 1·16·4096·D causal ((64, 32) best of four for both kernels at both: 3.55 and 12.6 ms, against 13.8 and 33.9
+#: for the best IEEE configs of runs 19/20); 256 not swept (small tiles: fp32 operands fill the registers);
+#: 16 and 32 take 64's
 CONFIGS_FP32 = {
-    "dq": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2), 256: (16, 16, 4, 1)},
-    "dkdv": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2), 256: (16, 16, 4, 1)},
+    "dq": {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 16, 4, 1)},
+    "dkdv": {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 16, 4, 1)},
 }
-#: ``tl.dot`` input precision of fp32 inputs (the FP32 tier's kernel form)
-FP32_DOT_PRECISION = "ieee"
+#: ``tl.dot`` input precision of fp32 inputs (the FP32 tier's kernel form): "tf32x3", each operand split into a
+#: TF32 head and tail and three tensor-core products summed in fp32 (≈ 2^-21 relative per product, fp32-level);
+#: Triton's "ieee" runs on the FMA units at ~10 TFLOP/s on the H200, slower than cuBLAS's fp32 GEMMs of the
+#: chunked tier (BENCHMARKS.md runs 20–21). Under the interpreter every precision is plain fp32.
+FP32_DOT_PRECISION = "tf32x3"
 #: smallest padded head dim the kernels use (tl.dot needs an inner dimension of at least 16)
 MIN_BLOCK_D = 16
 #: largest head dim the kernels take
