@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gproj_patch import detector  # noqa: E402
 from gproj_patch.backends import detector_kernel  # noqa: E402
+from gproj_patch.state import STATE  # noqa: E402
 
 B, H, S, D = 2, 16, 4096, 128
 ROWS = detector.DEFAULT_MAX_ROWS
@@ -61,12 +62,12 @@ def gpu_time(fn, n=30):
 @contextlib.contextmanager
 def kernel_off():
     """detector.compute takes its torch fallback (as after a kernel failure)."""
-    old = detector._KERNEL_STATE["failed"]
-    detector._KERNEL_STATE["failed"] = True
+    old = STATE.detector_kernel_failed
+    STATE.detector_kernel_failed = True
     try:
         yield
     finally:
-        detector._KERNEL_STATE["failed"] = old
+        STATE.detector_kernel_failed = old
 
 
 def attention_backward(causal: bool):

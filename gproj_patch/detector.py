@@ -55,6 +55,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .backends.spec import normalize_lse, unit_roundoff
+from .state import STATE
 
 DEFAULT_MAX_ROWS = 256
 _log = logging.getLogger("gproj_patch")
@@ -204,12 +205,11 @@ class _GraphedStatistics:
 
 
 _GRAPHS: Dict[tuple, "_GraphedStatistics"] = {}
-_GRAPH_STATE = {"failed": False}
 
 
 def _run_statistics(inputs, consts, use_graph: bool = True):
     first = inputs[0]
-    if (not use_graph or first.device.type != "cuda" or _GRAPH_STATE["failed"]
+    if (not use_graph or first.device.type != "cuda" or STATE.detector_graph_failed
             or torch.cuda.is_current_stream_capturing()):
         return _statistics(*inputs, *consts)
     key = tuple((tuple(t.shape), t.dtype) if t is not None else None for t in inputs) + (first.device, consts)
@@ -218,7 +218,7 @@ def _run_statistics(inputs, consts, use_graph: bool = True):
         try:
             graphed = _GraphedStatistics(inputs, consts)
         except Exception as exc:
-            _GRAPH_STATE["failed"] = True
+            STATE.detector_graph_failed = True
             _log.warning("capturing the detector as a CUDA graph failed (%s: %s); it runs eagerly",
                          type(exc).__name__, exc)
             return _statistics(*inputs, *consts)
@@ -228,7 +228,6 @@ def _run_statistics(inputs, consts, use_graph: bool = True):
     return graphed(inputs)
 
 
-_KERNEL_STATE = {"failed": False, "logged": set()}
 _MAX_LOGGED_REASONS = 64  # reasons name shapes: stop logging new ones past this many
 
 
@@ -239,17 +238,18 @@ def _kernel_statistics(q, k, lse, qidx, kidx, alpha: float, u: float) -> Optiona
     from .backends.detector_kernel import detector_kernel_supported, launch_head_statistics
     supported, reason = detector_kernel_supported(q, k, lse)
     if not supported:
-        if reason not in _KERNEL_STATE["logged"] and len(_KERNEL_STATE["logged"]) < _MAX_LOGGED_REASONS:
-            _KERNEL_STATE["logged"].add(reason)
+        logged = STATE.detector_logged
+        if reason not in logged and len(logged) < _MAX_LOGGED_REASONS:
+            logged.add(reason)
             _log.info("the detector's Triton kernel does not take these inputs (%s): torch arithmetic", reason)
         return None
-    if _KERNEL_STATE["failed"]:
+    if STATE.detector_kernel_failed:
         return None
     with torch.cuda.device(q.device):
         try:
             out = launch_head_statistics(q, k, lse, scale=alpha, u=u, q_index=qidx, k_index=kidx)
         except Exception as exc:  # e.g. a compiler failure on this GPU: the torch path from now on, said once
-            _KERNEL_STATE["failed"] = True
+            STATE.detector_kernel_failed = True
             _log.warning("the detector's Triton kernel failed (%s: %s); it runs as torch arithmetic",
                          type(exc).__name__, exc)
             return None

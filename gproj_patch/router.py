@@ -124,12 +124,12 @@ def _run_kernel(t: BackwardTensors, problem: Problem) -> Grads:
 
 
 def fp32_kernel_reason(t: BackwardTensors, problem: Problem) -> Optional[str]:
-    """Why the FP32 tier cannot run as the GProj kernel on fp32 copies (IEEE dots) of this call's tensors (None
-    when it can): that form needs the forward's output and LSE and a mask the kernel takes as flags; on CPU it
-    runs only under the Triton interpreter (else the chunked tier is the CPU path). Not with a learnable sink:
-    there the saved output's rounding enters the target P_sink·D and leaves δ·P_sink/(1 − P_sink) of it in dq
-    (measured 6e-4 of fp64 at a 128σ offset, tests/test_fp32_kernel.py), while the chunked tier recomputes O in
-    fp32 (1e-5)."""
+    """Why the FP32 tier cannot run as the GProj kernel on fp32 copies (fp32-level products) of this call's
+    tensors (None when it can): that form needs the forward's output and LSE and a mask the kernel takes as
+    flags; on CPU it runs only under the Triton interpreter (else the chunked tier is the CPU path). Not with a
+    learnable sink: there the saved output's rounding enters the target P_sink·D and leaves δ·P_sink/(1 − P_sink)
+    of it in dq (measured 6e-4 of fp64 at a 128σ offset, tests/test_fp32_kernel.py), while the chunked tier
+    recomputes O in fp32 (1e-5)."""
     if t.o is None or t.lse is None:
         return "the forward returned no LSE"
     if problem.dropout_p > 0.0:
@@ -137,16 +137,17 @@ def fp32_kernel_reason(t: BackwardTensors, problem: Problem) -> Optional[str]:
     if problem.sink is not None:
         return "learnable sink (the chunked tier recomputes the output the sink target needs)"
     try:
-        from .backends.triton_bwd import kernel_unsupported_reason
+        triton_bwd = _triton_bwd()
     except ImportError as exc:  # triton missing
         return f"no triton kernel ({exc})"
-    return kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask, softcap=problem.softcap,
-                                     sink=problem.sink, fp32=True)
+    return triton_bwd.kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask,
+                                                softcap=problem.softcap, sink=problem.sink, fp32=True)
 
 
 def _run_fp32(t: BackwardTensors, problem: Problem) -> Grads:
-    """The FP32 tier: the kernel on fp32 copies where ``fp32_kernel_reason`` allows (no S×S scores, IEEE fp32
-    products), else attention recomputed in chunked FP32 GEMMs (``backends.fp32_tier``)."""
+    """The FP32 tier: the kernel on fp32 copies where ``fp32_kernel_reason`` allows (no S×S scores, fp32-level
+    products: ``triton_bwd.FP32_DOT_PRECISION``), else attention recomputed in chunked FP32 GEMMs
+    (``backends.fp32_tier``)."""
     if fp32_kernel_reason(t, problem) is None:
         return _run_kernel(BackwardTensors(*(x.float() for x in (t.do, t.q, t.k, t.v, t.o)), t.lse, t.dead_rows),
                            problem)

@@ -41,6 +41,11 @@ class RuntimeState:
             self.layers: Dict[str, Any] = {}
             self.events: List[Dict[str, Any]] = []
             self.detector_failed = False
+            # detector.py: its Triton kernel or its CUDA-graph capture failed on this process's GPU (the torch path
+            # runs instead; a reset tries again), and the unsupported-input reasons already logged
+            self.detector_kernel_failed = False
+            self.detector_graph_failed = False
+            self.detector_logged: set = set()
             # router.kernel_reason's answers per key (device type, dtypes, head dims, B·H): cleared with the rest
             self.kernel_reasons: Dict[tuple, Optional[str]] = {}
 

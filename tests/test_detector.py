@@ -149,3 +149,14 @@ def test_statistics_trace_as_one_graph():
     traced = torch.compile(detector._statistics, fullgraph=True, backend="aot_eager")(*args)
     for a, b in zip(eager, traced):
         torch.testing.assert_close(a, b, equal_nan=True)
+
+
+def test_detector_failure_flags_live_in_the_runtime_state_and_reset_with_it():
+    """The detector's "kernel failed" / "graph capture failed" flags and its logged reasons are runtime state:
+    reset_stats() clears them (the next sampled call tries the kernel again)."""
+    import gproj_patch
+    from gproj_patch.state import STATE
+    STATE.detector_kernel_failed = STATE.detector_graph_failed = True
+    STATE.detector_logged.add("head_dim=512")
+    gproj_patch.reset_stats()
+    assert not STATE.detector_kernel_failed and not STATE.detector_graph_failed and not STATE.detector_logged

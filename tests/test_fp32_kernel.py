@@ -1,4 +1,5 @@
-"""The FP32 tier's kernel form: the GProj Triton kernels on fp32 copies with IEEE fp32 products (issue 11.2).
+"""The FP32 tier's kernel form: the GProj Triton kernels on fp32 copies with fp32-level products (issue 11.2;
+``triton_bwd.FP32_DOT_PRECISION``, 3×TF32 on the GPU; the interpreter computes every precision in plain fp32).
 
 On CPU through Triton's interpreter, whose fp32 is exact. The saved output and LSE are what a BF16 fused forward
 keeps (O rounded to BF16, LSE in fp32): the projection removes what O's rounding puts into D, so the gradients are
@@ -137,7 +138,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @gpu
 @pytest.mark.parametrize("name", CASES)
 def test_gpu_fp32_kernel_against_fp64(name, monkeypatch):
-    """Compiled on the GPU, IEEE dots: the same bound as the interpreter's exact fp32, and bitwise deterministic."""
+    """Compiled on the GPU (3×TF32 products): the same bound as the interpreter's exact fp32, and bitwise
+    deterministic."""
     monkeypatch.delenv("TRITON_INTERPRET")
     inp = get_case(name).build(dtype=torch.bfloat16, device="cuda", quick=False)
     o, lse = saved_forward(inp.q, inp.k, inp.v, **inp.mask)

@@ -100,7 +100,8 @@ def test_fp32_tier_on_cuda_with_arbitrary_mask():
 def test_detector_graph_replay_matches_eager(monkeypatch):
     """The torch fallback of the detector (the Triton kernel off): its CUDA graph replays what eager computes."""
     from gproj_patch import detector
-    monkeypatch.setitem(detector._KERNEL_STATE, "failed", True)
+    from gproj_patch.state import STATE
+    monkeypatch.setattr(STATE, "detector_kernel_failed", True)
     stats = []
     for seed in (5, 6):  # the second call replays the captured graph on new data
         q, k, _, _ = _inputs(seed)
@@ -115,4 +116,4 @@ def test_detector_graph_replay_matches_eager(monkeypatch):
         assert graphed.summary() == eager.summary()
         stats.append(graphed.summary())
     assert stats[0] != stats[1]
-    assert not detector._GRAPH_STATE["failed"] and detector._GRAPHS
+    assert not STATE.detector_graph_failed and detector._GRAPHS

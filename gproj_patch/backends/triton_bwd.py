@@ -62,7 +62,7 @@ last sequence excluded). The result is then (dq, dk, dv, dsink), dsink shaped an
 Softcap with a sink is refused (``spec.SINK_SOFTCAP_REASON``).
 
 **FP32 inputs** (``fp32=True`` in ``kernel_unsupported_reason``; the FP32 tier's kernel form, ``router``): the
-same kernels on fp32 tensors, every product an IEEE fp32 dot (``DOT_PRECISION="ieee"``, no TF32), t = dS and
+same kernels on fp32 tensors, every product at ``FP32_DOT_PRECISION`` (3×TF32: fp32-level accuracy), t = dS and
 r = P unrounded, block configs from ``CONFIGS_FP32``. The projection then removes what the saved output's
 rounding puts into D (a multiple of P per row, see above), so low-precision saved O and LSE give fp32-accurate
 gradients.

@@ -11,7 +11,7 @@
   dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ ("fused").
 
 ``DOT_PRECISION``: the ``tl.dot`` input precision, "tf32" (Triton's default; irrelevant for bf16/fp16 operands)
-or "ieee" for the FP32 tier's fp32 inputs (plain fp32 products, no TF32). Masks (causal in both alignments,
+or ``triton_bwd.FP32_DOT_PRECISION`` for the FP32 tier's fp32 inputs ("tf32x3": fp32-level, on the tensor cores). Masks (causal in both alignments,
 window) are a window (left, right) around the diagonal ``i + shift``; causal is right = 0. Each loop is split
 into masked edge tiles and unmasked interior tiles. ``triton_bwd`` loads this module twice when needed, compiled
 (CUDA) and interpreted (``TRITON_INTERPRET=1``, CPU tensors); do not import it directly.
