@@ -199,6 +199,10 @@ def _pick_sourced(options, explicit, environ) -> Dict[str, Tuple[Any, str]]:
     return out
 
 
+#: the enter/exit thresholds whose order (exit <= enter) PolicyConfig checks
+_PAIRED = {"gproj_enter": "gproj_exit", "gproj_exit": "gproj_enter", "fp32_enter": "fp32_exit", "fp32_exit": "fp32_enter"}
+
+
 def policy_options(environ: Optional[Mapping[str, str]] = None, **explicit) -> PolicyConfig:
     """A validated PolicyConfig from keywords > environment > defaults (ValueError on a bad or unknown one)."""
     unknown = sorted(set(explicit) - set(_POLICY))
@@ -206,13 +210,19 @@ def policy_options(environ: Optional[Mapping[str, str]] = None, **explicit) -> P
         raise ValueError(f"unknown policy option(s) {', '.join(unknown)}; known: {', '.join(_POLICY)}")
     environ = os.environ if environ is None else environ
     picked = _pick_sourced(_POLICY, explicit, environ)
-    for name, (value, source) in picked.items():  # range checks, naming the keyword or variable
+    for name, (value, source) in picked.items():  # each value's own range, naming the keyword or variable
+        probe = {name: value}
+        if name in _PAIRED:  # its partner set equal: the order of the pair is checked on the whole config below
+            probe[_PAIRED[name]] = value
         try:
-            replace(PolicyConfig(), **{name: value})
+            replace(PolicyConfig(), **probe)
         except ValueError as exc:
-            if source == name or not ("exit" in name or "enter" in name):
-                raise ValueError(f"{source}: {exc}") from None
-    return replace(PolicyConfig(), **{name: value for name, (value, _s) in picked.items()})
+            raise ValueError(f"{source}: {exc}") from None
+    try:
+        return replace(PolicyConfig(), **{name: value for name, (value, _s) in picked.items()})
+    except ValueError as exc:  # an enter/exit pair out of order, from any mix of keywords, variables, defaults
+        given = ", ".join(source for _v, source in picked.values())
+        raise ValueError(f"{exc} (set: {given or 'defaults only'})") from None
 
 
 def resolve(mode=None, targets=None, environ: Optional[Mapping[str, str]] = None, **options) -> Config:

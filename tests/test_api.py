@@ -111,6 +111,20 @@ def test_unknown_option_raises_and_policy_options_are_validated_at_enable(monkey
     assert (cfg.policy.sample_every, cfg.policy.gproj_enter) == (7, 0.03)
 
 
+def test_thresholds_below_both_defaults_as_keywords_or_variables():
+    """An enter/exit pair below the defaults is valid together (each value's own range is checked with its partner
+    equal; the order on the whole config), from keywords, variables or a mix; out of order it names its sources."""
+    from gproj_patch.config import policy_options
+    cfg = policy_options({}, gproj_enter=0.003, gproj_exit=0.001, fp32_enter=0.004, fp32_exit=0.003)
+    assert (cfg.gproj_enter, cfg.gproj_exit, cfg.fp32_enter, cfg.fp32_exit) == (0.003, 0.001, 0.004, 0.003)
+    cfg = policy_options({"GPROJ_AUTO_ENTER": "0.003"}, gproj_exit=0.002)
+    assert (cfg.gproj_enter, cfg.gproj_exit) == (0.003, 0.002)
+    with pytest.raises(ValueError, match=r"gproj_exit \(0.005\) must not exceed gproj_enter \(0.003\).*gproj_enter"):
+        policy_options({}, gproj_enter=0.003)  # the default exit is above it
+    with pytest.raises(ValueError, match="GPROJ_AUTO_ENTER"):
+        policy_options({"GPROJ_AUTO_ENTER": "-1"})
+
+
 def test_keyword_wins_over_an_invalid_environment_value(monkeypatch):
     monkeypatch.setenv("GPROJ_MODE", "bogus")
     monkeypatch.setenv("GPROJ_SAMPLE_EVERY", "zero")
