@@ -8,7 +8,8 @@
    BF16) at seq 4096 batch 2 and seq 16384 batch 1 (``--contexts``), arms alternated over ``--reps`` repetitions
    of ``--steps`` steps; median step time and peak memory per arm.
 
-    PYTHONPATH=. python benchmarks/host_overhead.py [--reps 3 --steps 8]
+    PYTHONPATH=. python benchmarks/host_overhead.py [--reps 3 --steps 8] [--skip-host] [--skip-attention]
+        [--contexts 4096x2,16384x1 | ""]
 """
 import argparse
 import cProfile
@@ -123,6 +124,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--contexts", default="4096x2,16384x1", help="seq x batch of the training steps")
     ap.add_argument("--skip-host", action="store_true")
+    ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "host_us": {}, "attention_ms": {}}
@@ -131,10 +133,10 @@ def main():
         res["host_us"][mode] = us
         if profile:
             print(f"--- profile, mode {mode} (100 calls) ---\n{profile[-2500:]}")
-    for shape in SHAPES:
+    for shape in SHAPES if not args.skip_attention else ():
         res["attention_ms"][str(shape)] = {m: attention_time(m, *shape) for m in ARMS}
     res["steps"] = {}
-    for ctx in args.contexts.split(","):
+    for ctx in (c for c in args.contexts.split(",") if c):
         seq, batch = (int(x) for x in ctx.split("x"))
         res["steps"][ctx] = step_times(args, seq, batch)
         with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
@@ -145,7 +147,8 @@ def main():
         base = res["host_us"]["unpatched"]
         print("host µs per fwd+bwd call (1·2·128·64):",
               ", ".join(f"{m} {v:.0f} (+{v - base:.0f})" for m, v in res["host_us"].items()))
-    print(f"{'shape':28s} " + " ".join(f"{m:>10s}" for m in ARMS) + "   gproj/unp  auto/unp")
+    if res["attention_ms"]:
+        print(f"{'shape':28s} " + " ".join(f"{m:>10s}" for m in ARMS) + "   gproj/unp  auto/unp")
     for shape, t in res["attention_ms"].items():
         print(f"{shape:28s} " + " ".join(f"{t[m]:10.3f}" for m in ARMS)
               + f"   ×{t['gproj'] / t['unpatched']:.3f}   ×{t['auto'] / t['unpatched']:.3f}")
