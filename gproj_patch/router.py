@@ -84,12 +84,20 @@ def _kernel_key(t: BackwardTensors, problem: Problem) -> Optional[tuple]:
     return device, q.dtype, k.dtype, v.dtype, qs[0] * qs[1], qs[3], k.shape[3], v.shape[3]
 
 
-def kernel_reason(t: BackwardTensors, problem: Problem) -> Optional[str]:
+def kernel_reason(t: BackwardTensors, problem: Problem, *, fp32: bool = False) -> Optional[str]:
     """Why the GProj Triton kernel cannot take this backward (None when it can). Answers for a ``_kernel_key``
-    are kept in the runtime state (``STATE.kernel_reasons``, cleared by ``reset()``)."""
+    are kept in the runtime state (``STATE.kernel_reasons``, cleared by ``reset()``).
+
+    ``fp32=True`` asks about the FP32 tier's kernel form: the kernel on fp32 copies with fp32-level products
+    (``triton_bwd.FP32_DOT_PRECISION``); on CPU only under the Triton interpreter, as the kernel tier. Not with a
+    learnable sink: there the saved output's rounding enters the target P_sink·D and leaves δ·P_sink/(1 − P_sink)
+    of it in dq (measured 6e-4 of fp64 at a 128σ offset, tests/test_fp32_kernel.py), while the chunked tier
+    recomputes O in fp32 (1e-5). Its answers are not kept (the FP32 tier is the rare path)."""
     if problem.dropout_p > 0.0:
         return "dropout > 0 (the kernel takes no dropout mask)"
-    key = _kernel_key(t, problem)
+    if fp32 and problem.sink is not None:
+        return "learnable sink (the chunked tier recomputes the output the sink target needs)"
+    key = None if fp32 else _kernel_key(t, problem)
     cache = STATE.kernel_reasons
     if key is not None:
         cached = cache.get(key, _MISSING)
@@ -100,7 +108,7 @@ def kernel_reason(t: BackwardTensors, problem: Problem) -> Optional[str]:
     except ImportError as exc:  # triton missing
         return f"no triton kernel ({exc})"
     reason = triton_bwd.kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask,
-                                                  softcap=problem.softcap, sink=problem.sink)
+                                                  softcap=problem.softcap, sink=problem.sink, fp32=fp32)
     if reason is None and (t.o is None or t.lse is None):
         return "the forward returned no LSE (non-fused forward)"
     if key is not None:
@@ -116,39 +124,16 @@ def _kernel_lse(lse: torch.Tensor, dead_rows: Optional[torch.Tensor]) -> torch.T
 
 
 def _run_kernel(t: BackwardTensors, problem: Problem) -> Grads:
-    from .backends.triton_bwd import gproj_backward
     extra = {} if problem.sink is None else {"sink": problem.sink}  # the LSE includes the sink: never drop it
-    return gproj_backward(t.do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale,
+    return _triton_bwd().gproj_backward(t.do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale,
                           max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k, correct=True,
                           **problem.flags, **extra)
 
 
-def fp32_kernel_reason(t: BackwardTensors, problem: Problem) -> Optional[str]:
-    """Why the FP32 tier cannot run as the GProj kernel on fp32 copies (fp32-level products) of this call's
-    tensors (None when it can): that form needs the forward's output and LSE and a mask the kernel takes as
-    flags; on CPU it runs only under the Triton interpreter (else the chunked tier is the CPU path). Not with a
-    learnable sink: there the saved output's rounding enters the target P_sink·D and leaves δ·P_sink/(1 − P_sink)
-    of it in dq (measured 6e-4 of fp64 at a 128σ offset, tests/test_fp32_kernel.py), while the chunked tier
-    recomputes O in fp32 (1e-5)."""
-    if t.o is None or t.lse is None:
-        return "the forward returned no LSE"
-    if problem.dropout_p > 0.0:
-        return "dropout"
-    if problem.sink is not None:
-        return "learnable sink (the chunked tier recomputes the output the sink target needs)"
-    try:
-        triton_bwd = _triton_bwd()
-    except ImportError as exc:  # triton missing
-        return f"no triton kernel ({exc})"
-    return triton_bwd.kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask,
-                                                softcap=problem.softcap, sink=problem.sink, fp32=True)
-
-
 def _run_fp32(t: BackwardTensors, problem: Problem) -> Grads:
-    """The FP32 tier: the kernel on fp32 copies where ``fp32_kernel_reason`` allows (no S×S scores, fp32-level
-    products: ``triton_bwd.FP32_DOT_PRECISION``), else attention recomputed in chunked FP32 GEMMs
-    (``backends.fp32_tier``)."""
-    if fp32_kernel_reason(t, problem) is None:
+    """The FP32 tier: the kernel on fp32 copies where ``kernel_reason(fp32=True)`` allows (no S×S scores,
+    fp32-level products), else attention recomputed in chunked FP32 GEMMs (``backends.fp32_tier``)."""
+    if kernel_reason(t, problem, fp32=True) is None:
         return _run_kernel(BackwardTensors(*(x.float() for x in (t.do, t.q, t.k, t.v, t.o)), t.lse, t.dead_rows),
                            problem)
     from .backends.fp32_tier import fp32_backward

@@ -77,8 +77,8 @@ def test_learnable_sink_takes_the_chunked_tier():
     for gname, x, r in zip(("dq", "dk", "dv", "dsink"), chunked, ref):
         assert rel(x, r) <= FP32_KERNEL_BOUND, (gname, rel(x, r))
     t = router.BackwardTensors(inp.do, inp.q, inp.k, inp.v, o, lse)
-    assert router.fp32_kernel_reason(t, Problem(scale=inp.q.shape[-1] ** -0.5)) is None
-    assert "sink" in router.fp32_kernel_reason(t, Problem(scale=inp.q.shape[-1] ** -0.5, sink=sink))
+    assert router.kernel_reason(t, Problem(scale=inp.q.shape[-1] ** -0.5), fp32=True) is None
+    assert "sink" in router.kernel_reason(t, Problem(scale=inp.q.shape[-1] ** -0.5, sink=sink), fp32=True)
 
 
 def test_predicate_fp32_form():
