@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -195,7 +194,8 @@ SHAPES = [(4, 16, 4096, 64, True), (4, 16, 4096, 128, True), (2, 16, 8192, 128, 
           (2, 32, 8192, 128, True, 8)]
 
 
-def _inputs(B, H, S, D, dtype=torch.bfloat16, seed=0, hkv=None):
+def make_inputs(B, H, S, D, dtype=torch.bfloat16, seed=0, hkv=None):
+    """q, k, v, dO drawn N(0, 1) in fp32 on the GPU from ``seed``, rounded to ``dtype`` (k, v with ``hkv`` heads)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     hk = H if hkv is None else hkv
     mk = lambda h: torch.randn(B, h, S, D, generator=g, device="cuda", dtype=torch.float32).to(dtype)  # noqa: E731
@@ -209,7 +209,18 @@ def tflops(shape, ms, products=5):
     return flop / (ms * 1e-3) / 1e12
 
 
-def _bench(fn):
+def saved_forward(q, k, v, causal):
+    """(O, LSE) of PyTorch's flash forward: what a fused forward saves for the backward. The flash op has no GQA:
+    with fewer KV heads it runs on repeated KV heads (the same O and LSE)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    return out[0], out[1]
+
+
+def bench(fn):
+    """Median ms of ``fn`` (``triton.testing.do_bench``; its first call, which compiles, is not timed)."""
     import triton.testing as tt
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -228,7 +239,7 @@ def fa4_backward_ms(q, k, v, do, causal):
         dot = do.transpose(1, 2).contiguous()
         fn = lambda: torch.autograd.grad(y, (qq, kk, vv), dot, retain_graph=True)  # noqa: E731
         fn()
-        return _bench(fn)
+        return bench(fn)
     except Exception as e:  # pragma: no cover
         log(f"fa4 failed: {type(e).__name__}: {str(e)[:200]}")
         return float("nan")
@@ -248,7 +259,7 @@ def fp32_tier_ms(q, k, v, do, o, lse, causal):
             t0 = time.time()
             fn()
             torch.cuda.synchronize()
-            res[tag] = _bench(fn) if time.time() - t0 < 5.0 else (time.time() - t0) * 1e3
+            res[tag] = bench(fn) if time.time() - t0 < 5.0 else (time.time() - t0) * 1e3
         except Exception as e:  # pragma: no cover
             res[tag] = float("nan")
             log(f"{tag} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -265,18 +276,15 @@ def fp32_tier_ms(q, k, v, do, o, lse, causal):
 def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
-    q, k, v, do = _inputs(B, H, S, D, hkv=hkv)
+    q, k, v, do = make_inputs(B, H, S, D, hkv=hkv)
     gqa = hkv is not None and hkv != H
     res = {}
-    rep = H // k.shape[1]  # the flash op has no GQA: its forward on repeated KV heads (the same O and LSE)
-    out = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 0.0, causal)
-    o, lse = out[0], out[1]
+    o, lse = saved_forward(q, k, v, causal)
     for tag, extra in (("gproj", {}), ("gproj_two", dict(dk_form="two_product")),
                        ("gproj_fused", dict(dk_form="fused")), ("uncorrected", dict(correct=False))):
         fn = lambda extra=extra: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg, **extra)  # noqa
         fn()
-        res[tag] = _bench(fn)
+        res[tag] = bench(fn)
     # one launch at a time (results invalid, timing only): dq kernel (with D and the LSE), dkdv kernel
     for corr in (True, False):
         for part in ("dq", "dkdv"):
@@ -285,7 +293,7 @@ def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
                 fn = lambda corr=corr: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg,  # noqa
                                                       correct=corr)
                 fn()
-                res[f"part_{part}_{'gproj' if corr else 'unc'}"] = _bench(fn)
+                res[f"part_{part}_{'gproj' if corr else 'unc'}"] = bench(fn)
             finally:
                 triton_bwd._RUN = ("dq", "dkdv")
     for tag, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -295,7 +303,7 @@ def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
                 y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=gqa)
             fn = lambda y=y, qq=qq, kk=kk, vv=vv: torch.autograd.grad(y, (qq, kk, vv), do, retain_graph=True)  # noqa
             fn()
-            res[tag] = _bench(fn)
+            res[tag] = bench(fn)
         except Exception as e:  # pragma: no cover
             res[tag] = float("nan")
             log(f"{tag} failed: {e!r}")
@@ -309,7 +317,7 @@ def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
                 y = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=gqa)
             return torch.autograd.grad(y, (qf, kf, vf), dof)
         fp32_eff()
-        res["fp32_efficient_fwdbwd"] = _bench(fp32_eff)
+        res["fp32_efficient_fwdbwd"] = bench(fp32_eff)
     except Exception as e:  # pragma: no cover
         res["fp32_efficient_fwdbwd"] = float("nan")
         log(f"fp32 efficient failed: {e!r}")

@@ -23,6 +23,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from device_check import make_inputs, rel, saved_forward  # noqa: E402  (benchmarks/device_check.py)
 from gproj_patch.backends import triton_bwd  # noqa: E402
 from gproj_patch.backends.fp32_tier import fp32_backward  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
@@ -34,11 +35,6 @@ CASES = ["key_offset_128", "key_offset_512", "sink_offset_64", "repeated_max", "
 CONFIGS = [(32, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2)]
 SHAPE = (1, 16, 4096)  # the config sweep's (--sweep)
 TIMED_SHAPE = (4, 16, 4096)  # device_check's FP32 rows
-
-
-def rel(x, ref):
-    n = ref.norm()
-    return float((x.double() - ref).norm() / n) if n > 0 else float(x.double().abs().max())
 
 
 def _bench(fn):
@@ -65,9 +61,8 @@ def accuracy():
 def timing(D, sweep):
     """ms of the kernel form (the default config, or each of CONFIGS with ``sweep``) and of the chunked tier."""
     shape = SHAPE if sweep else TIMED_SHAPE
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(*shape, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
+    q, k, v, do = make_inputs(*shape, D)
+    o, lse = saved_forward(q, k, v, True)
     f32 = [x.float() for x in (do, q, k, v, o)]
     res = {"chunked": _bench(lambda: fp32_backward(q, k, v, do, causal=True))}
     for c in (CONFIGS if sweep else [None]):

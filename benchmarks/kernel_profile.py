@@ -40,10 +40,10 @@ def run_once():
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from gproj_patch.backends.triton_bwd import gproj_backward
+    from device_check import make_inputs, saved_forward  # benchmarks/device_check.py
     B, H, S, D, causal = SHAPE
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, S, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    q, k, v, do = make_inputs(B, H, S, D)
+    o, lse = saved_forward(q, k, v, causal)
     qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)

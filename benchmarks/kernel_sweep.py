@@ -20,6 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from device_check import bench, make_inputs, saved_forward  # noqa: E402  (benchmarks/device_check.py)
 from gproj_patch.backends import triton_bwd  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
 
@@ -47,18 +48,11 @@ SHAPE = {32: (4, 16, 4096), 64: (4, 16, 4096), 128: (4, 16, 4096), 256: (2, 16, 
 SHAPE_FP32 = {64: (1, 16, 4096), 128: (1, 16, 4096)}
 
 
-def _bench(fn):
-    import triton.testing as tt
-    return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def sweep(D, *, fp32=False, deadline=float("inf"), log=print, causal=True, kinds=("dq", "dkdv")):
     """The greedy sweep at head dim D; returns {"dq": cfg, "dkdv": cfg, "times": {...}}."""
     B, H, S = (SHAPE_FP32 if fp32 else SHAPE)[D]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, S, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-    o, lse = out[0], out[1]
+    q, k, v, do = make_inputs(B, H, S, D)
+    o, lse = saved_forward(q, k, v, causal)
     if fp32:
         q, k, v, do, o = (x.float() for x in (q, k, v, do, o))
     table = triton_bwd.CONFIGS_FP32 if fp32 else triton_bwd.CONFIGS
@@ -75,7 +69,7 @@ def sweep(D, *, fp32=False, deadline=float("inf"), log=print, causal=True, kinds
                 fn = lambda cfg=cfg: gproj_backward(do, q, k, v, o, lse, causal=causal, _config=cfg)  # noqa: E731
                 fn()
                 torch.cuda.synchronize()
-                cand[c] = _bench(fn)
+                cand[c] = bench(fn)
                 log(f"sweep D={D} fp32={fp32} {which} {c}: {cand[c]:.3f} ms  regs/spills {triton_bwd.LAST_KERNELS}")
             except Exception as e:
                 log(f"sweep D={D} fp32={fp32} {which} {c} failed: {type(e).__name__}: {str(e)[:200]}")
