@@ -15,3 +15,13 @@ def patch_off(monkeypatch):
     gproj_patch.reset_stats()
     yield
     gproj_patch.disable()
+
+
+@pytest.fixture
+def sdpa_and_transformers_on():
+    """The patch on for the SDPA and Transformers targets with fresh runtime state; off afterwards."""
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    gproj_patch.enable(targets=("sdpa", "transformers"))
+    yield
+    gproj_patch.disable()

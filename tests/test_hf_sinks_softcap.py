@@ -36,13 +36,7 @@ UNCORRECTED_FAR = 0.05
 NO_SINK_HEAD = 0                         # the exact dS row sum is ~0 there: the uncorrected leak shows
 
 
-@pytest.fixture(autouse=True)
-def _enabled():
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
-    gproj_patch.enable(targets=("sdpa", "transformers"))
-    yield
-    gproj_patch.disable()
+pytestmark = pytest.mark.usefixtures("sdpa_and_transformers_on")  # tests/conftest.py
 
 
 def rel(a, b):

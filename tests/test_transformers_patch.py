@@ -19,13 +19,7 @@ def _configs():
             "mistral_gqa_window": MistralConfig(num_key_value_heads=2, sliding_window=8, **small)}
 
 
-@pytest.fixture(autouse=True)
-def _enabled():
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
-    gproj_patch.enable(targets=("sdpa", "transformers"))
-    yield
-    gproj_patch.disable()
+pytestmark = pytest.mark.usefixtures("sdpa_and_transformers_on")  # tests/conftest.py
 
 
 def _models(cfg, dtype, impls):
