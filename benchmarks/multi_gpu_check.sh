@@ -15,14 +15,7 @@ if [ "${1:-}" = "--cpu" ]; then
     export CUDA_VISIBLE_DEVICES="" ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1
     SHARD_ARGS=(--cpu)
 fi
-step() {
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
-    local t0=$SECONDS
-    timeout "$limit" "$@" >>"$LOG" 2>&1
-    echo "=== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
-}
+. benchmarks/step.sh  # step NAME LIMIT CMD...
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count(), *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))" | tee -a "$LOG"
 # GPROJ_PATCH=1 needs the start-up hook (.pth) in a site directory; the device image has the repo on PYTHONPATH only
 python3 -m gproj_patch.integrations.startup --check 2>&1 | grep -q "hook installed: \['/" \

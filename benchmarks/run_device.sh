@@ -8,14 +8,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-device_out}
 mkdir -p "$OUT" "$OUT/model" "$OUT/timing" "$OUT/detector" "$OUT/steps"
 LOG="$OUT/all.log"
-step() {
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
-    local t0=$SECONDS
-    timeout "$limit" "$@" >>"$LOG" 2>&1
-    echo "=== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
-}
+. benchmarks/step.sh  # step NAME LIMIT CMD...
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a "$LOG"
 # the integration files whole, then every other test with the gpu mark
 [ -n "${SKIP_TESTS:-}" ] || step gpu_tests "${GPU_TESTS_LIMIT:-120}" python3 -m pytest -q -rfE -p no:cacheprovider \
