@@ -4,7 +4,8 @@
 (``telemetry``), logs why it fell back (once per reason and shape class) and, in ``audit`` mode, reports to the
 policy. Tiers:
 
-* ``"gproj"`` — the GProj Triton kernel (``backends.triton_bwd.gproj_backward``);
+* ``"gproj"`` — the GProj Triton kernel (``backends.triton_bwd.gproj_backward``; its KV-major launch the Gluon
+  sm_90a kernel or the portable tl one, per call);
 * ``"fp32"`` — attention recomputed in FP32 with the projection (``backends.fp32_tier.fp32_backward``);
 * ``"original"`` — the caller's own uncorrected backward (``original()``, given by the hook).
 
@@ -124,10 +125,15 @@ def _kernel_lse(lse: torch.Tensor, dead_rows: Optional[torch.Tensor]) -> torch.T
 
 
 def _run_kernel(t: BackwardTensors, problem: Problem) -> Grads:
+    """The kernel tier; its KV-major launch is the Gluon kernel or the tl one, chosen per call
+    (``triton_bwd.kv_major_kernel``) and counted (``stats()["kv_major"]``)."""
+    triton_bwd = _triton_bwd()
     extra = {} if problem.sink is None else {"sink": problem.sink}  # the LSE includes the sink: never drop it
-    return _triton_bwd().gproj_backward(t.do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale,
-                          max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k, correct=True,
-                          **problem.flags, **extra)
+    kv_major, why = triton_bwd.kv_major_kernel(t.q, t.k, t.v, t.do, **problem.flags)
+    telemetry.record_kv_major(kv_major, why)
+    return triton_bwd.gproj_backward(t.do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale,
+                                     max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
+                                     correct=True, kv_major=kv_major, **problem.flags, **extra)
 
 
 def _run_fp32(t: BackwardTensors, problem: Problem) -> Grads:

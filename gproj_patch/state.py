@@ -31,6 +31,9 @@ class RuntimeState:
             self.backward: Counter = Counter()
             self.forward: Counter = Counter()
             self.reasons: Counter = Counter()
+            # the kernel tier's KV-major launch per call ("gluon" / "tl") and why not the Gluon kernel
+            self.kv_major: Counter = Counter()
+            self.kv_major_reasons: Counter = Counter()
             self.logged: set = set()  # (reason, shape class) pairs already logged
             # steps and call numbering
             self.explicit_step: Optional[int] = None

@@ -1,6 +1,8 @@
 """Counters of backward calls per tier and of fallback reasons; each reason is logged once per shape class.
 
-``stats()`` returns ``{"gproj": n, "fp32": n, "original": n, "forward": {...}, "fallback_reasons": {reason: n}}``.
+``stats()`` returns ``{"gproj": n, "fp32": n, "original": n, "forward": {...}, "fallback_reasons": {reason: n},
+"kv_major": {"gluon": n, "tl": n}, "kv_major_reasons": {reason: n}}`` (the last two: which kernel ran the KV-major
+launch of the kernel tier's backwards, and why not the Gluon one).
 A *fallback* is any call that did not run the GProj kernel in a mode that asked for it, or that kept the
 original path although the patch was on (e.g. an attention mask that requires grad); its reason is counted
 every time and logged through ``logging.getLogger("gproj_patch")`` the first time a (reason, shape class) pair
@@ -64,9 +66,19 @@ def record_forward(path: str, reason: Optional[str] = None, cls: Tuple = ()) -> 
             _note_reason(reason, cls, "original" if path == "original" else path)
 
 
+def record_kv_major(kernel: str, reason: Optional[str] = None) -> None:
+    """A kernel-tier backward's KV-major launch: "gluon" or "tl" (with why not the Gluon kernel)."""
+    with STATE.lock:
+        STATE.kv_major[kernel] += 1
+        if reason:
+            STATE.kv_major_reasons[reason] += 1
+
+
 def stats() -> dict:
     with STATE.lock:
         out = {t: STATE.backward.get(t, 0) for t in TIERS}
         out["forward"] = dict(STATE.forward)
         out["fallback_reasons"] = dict(STATE.reasons)
+        out["kv_major"] = dict(STATE.kv_major)
+        out["kv_major_reasons"] = dict(STATE.kv_major_reasons)
         return out

@@ -1,4 +1,5 @@
-"""The Hopper Gluon GProj backward (``gluon_bwd``) in BF16/FP16 on an sm_90 GPU (skipped elsewhere).
+"""The GProj backward with the Hopper Gluon KV-major launch (``gluon_bwd``) in BF16/FP16 on an sm_90 GPU
+(skipped elsewhere).
 
 Against the fp64 oracle on adversarial inputs (key offsets to 512σ, sinks, causal in both alignments, odd
 lengths with Sq ≠ Sk and rows that see no key, GQA/MQA, D = 64/128, strided memory, the four-key witness), with
@@ -18,7 +19,7 @@ if not torch.cuda.is_available():
 if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the Gluon kernels are sm_90a (Hopper)", allow_module_level=True)
 
-from gproj_patch.backends import gluon_bwd  # noqa: E402
+from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
 from gproj_patch.backends.gluon_bwd import gluon_backward, gluon_supported_reason  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 
@@ -43,7 +44,7 @@ GAUGE = [c for c in gc.SUITE_CASES if c not in gc.NOT_GAUGE and c != "witness"] 
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(gluon_bwd, "_POISON_OUTPUTS", True)
+    monkeypatch.setattr(triton_bwd, "_POISON_OUTPUTS", True)
 
 
 def _inputs(name, seed=0):
@@ -72,7 +73,7 @@ def test_agrees_with_tl_kernel(name):
     from gproj_patch.backends.triton_bwd import gproj_backward
     q, k, v, do, o, lse, kw = _inputs(name, seed=5)
     a = gluon_backward(do, q, k, v, o, lse, **kw)
-    b = gproj_backward(do, q, k, v, o, lse, **kw)
+    b = gproj_backward(do, q, k, v, o, lse, kv_major="tl", **kw)
     errs = [dc.rel(x, y) for x, y in zip(a, b)]
     assert max(errs) < TL_AGREEMENT, (name, errs)
 
@@ -95,7 +96,8 @@ def test_sharp_rows_beyond_fp32_bounded():
 
 
 def test_witness_exact_zero():
-    inp = dc.witness()
+    """The four-key witness at D=128, its query row repeated to Sq=4 (``gluon_check.witness_rows4``)."""
+    inp = gc.witness_rows4()
     q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
     o, lse = reference_forward(q, k, v)
     dq, dk, dv = gluon_backward(do, q, k, v, o.to(q.dtype), lse.float())
@@ -123,6 +125,45 @@ def test_uncovered_cases_get_a_reason(name):
     assert gluon_supported_reason(inp["q"], inp["k"], inp["v"], do=inp["do"], **kw) is not None
     with pytest.raises(ValueError):
         gluon_backward(inp["do"], inp["q"], inp["k"], inp["v"], inp["do"], torch.zeros(1), **kw)
+
+
+def test_sq_not_multiple_of_4_runs_tl_and_is_correct():
+    """Sq = 333: the Gluon kernel's TMA of the per-row scratch needs 16-byte aligned rows, so it says why not,
+    ``gproj_backward`` picks the tl kernel on its own, and the gradients are still within the gauge target."""
+    from gproj_patch.backends.triton_bwd import gproj_backward, kv_major_kernel
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v, do = (torch.randn(1, 2, 333, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
+    k = k + 128.0
+    assert "Sq=333" in gluon_supported_reason(q, k, v, do=do, causal=True)
+    assert kv_major_kernel(q, k, v, do, causal=True)[0] == "tl"
+    o, lse = reference_forward(q, k, v, causal=True)
+    grads = gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), causal=True)
+    assert triton_bwd.LAST_KERNELS["kv_major"] == "tl"
+    ref = reference_backward(q, k, v, do, causal=True)
+    assert max(dc.rel(a, r) for a, r in zip(grads, ref)) < TARGET
+
+
+@pytest.mark.parametrize("head_dim,expected", [(128, "gluon"), (64, "tl")])
+def test_patched_sdpa_counts_its_kv_major_kernel(head_dim, expected):
+    """Through the public API: the kernel tier picks the Gluon KV-major launch where it is faster (D=128), the
+    tl one elsewhere, per call; ``stats()`` counts which ran; the gradients match the fp64 oracle."""
+    import gproj_patch
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v, do = (torch.randn(2, 4, 512, head_dim, generator=g, device="cuda").to(torch.bfloat16)
+                   for _ in range(4))
+    k = k + 64.0
+    gproj_patch.enable(mode="gproj")
+    try:
+        gproj_patch.reset_stats()
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+        y.backward(do)
+        s = gproj_patch.stats()
+    finally:
+        gproj_patch.disable()
+    assert s["gproj"] == 1 and s["kv_major"] == {expected: 1}, s
+    ref = reference_backward(q, k, v, do, causal=True)
+    assert max(dc.rel(x.grad, r) for x, r in zip((qq, kk, vv), ref)) < TARGET
 
 
 def test_unaligned_strides_get_a_reason():

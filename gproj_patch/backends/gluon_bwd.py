@@ -1,19 +1,23 @@
-"""Hopper-native (sm_90a) GProj backward written in Gluon: host side.
+"""Hopper-native (sm_90a) KV-major launch of the GProj backward, in Gluon: host side.
 
-``gluon_backward(do, q, k, v, o, lse, *, scale, causal, causal_align, window, ...)`` has the signature and the
-numerics contract of ``triton_bwd.gproj_backward`` (r = low(P), t = low(dS), λ = ρ/m with both sums in fp32,
-dq = α(tK − λ·rK), dk in the fused form α·low(P∘(dP − D − λ))ᵀQ, dv = rᵀdO, D from the saved output, no
-atomics, bitwise deterministic) for the cases ``gluon_supported_reason`` accepts; the kernels are in
-``gluon_kernels.py`` (TMA ring buffers with mbarriers, asynchronous wgmma, 128-row tiles over two warpgroups).
+The GProj backward is two launches (``triton_bwd``): a dQ-major one (dq, λ and the per-row scratch) and a
+KV-major one (dk, dv). On an sm_90 GPU the KV-major launch can be the warp-specialized Gluon kernel of
+``gluon_kernels.py`` (a TMA producer warp and two consumer warpgroups; the portable ``tl`` kernel reaches about
+half of the tensor pipe there, BENCHMARKS.md run 19); the dQ-major launch stays the ``tl`` kernel. Same
+numerics contract: dv = Σ low(P)ᵀ dO, dk = α·Σ low(P∘(dP − D − λ))ᵀ Q (the fused form), fp32 accumulation,
+no atomics, bitwise deterministic.
 
-Covered: bf16/fp16; head dim 64 or 128 (q, k, v alike); dense or causal, top-left or bottom-right; Sq ≠ Sk and
-any lengths; MHA, GQA/MQA (dk/dv reduced over the group inside one program, no K/V copies); any batch and
-head counts; any strides with a contiguous last dimension, 16-byte-aligned base and strides (TMA); LSE in any
-layout ``spec.normalize_lse`` reads. Everything else — sliding window, softcap, varlen, other head dims,
-two-product dk, ``correct=False``, GPUs other than sm_90, no Gluon — gets a reason string, and the caller uses
-the portable ``tl`` kernel (``triton_bwd.gproj_backward``) instead.
+``kv_major_reason(...)`` is the predicate: None when the Gluon kernel takes the call, else why not — then
+``triton_bwd`` runs the ``tl`` KV-major kernel, per call (``stats()["kernels"]`` counts which ran).
+Covered: bf16/fp16; head dim 64 or 128; dense or causal, top-left or bottom-right; Sq ≠ Sk and any lengths;
+MHA, GQA/MQA (dk/dv reduced over the group in one CTA, no K/V copies); any batch and head counts; any strides
+with a contiguous last dimension and 16-byte-aligned base and strides (TMA); Sq a multiple of 4; with or without a learnable sink
+(the KV-major launch only reads λ). Not covered: sliding windows, softcap, varlen, the two-product dk form,
+``correct=False``, fp32 inputs, other head dims, GPUs other than sm_90, a Triton without Gluon.
 
-Importing this module needs neither CUDA nor Gluon; ``gluon_supported_reason`` then says what is missing.
+``gluon_backward`` is ``triton_bwd.gproj_backward`` with the Gluon KV-major launch required (tests, benchmarks).
+
+Importing this module needs neither CUDA nor Gluon; ``kv_major_reason`` then says what is missing.
 """
 from __future__ import annotations
 
@@ -22,8 +26,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-
-from .spec import default_scale, normalize_lse, validate_qkv
 
 try:  # pragma: no cover - depends on the installed Triton
     import triton
@@ -35,42 +37,39 @@ try:  # pragma: no cover - depends on the installed Triton
 except Exception as exc:  # pragma: no cover - no triton, or a triton without Gluon's Hopper API
     _IMPORT_ERROR = f"no Gluon ({type(exc).__name__}: {exc})"[:200]
 
-#: head dims the kernels are instantiated for
+#: head dims the kernel is instantiated for
 GLUON_HEAD_DIMS = (64, 128)
-#: the one compute capability the kernels are written for (TMA, wgmma: sm_90a)
+#: head dims where it is the default (``triton_bwd.kv_major_kernel``): faster than the tl KV-major kernel on the
+#: H200 at every shape timed (BENCHMARKS.md run 23: D=128 ×0.81–0.89 of the tl launch; D=64 ×1.07–1.13, slower)
+FASTER_HEAD_DIMS = (128,)
+#: the one compute capability the kernel is written for (TMA, wgmma, setmaxnreg: sm_90a)
 GLUON_CAPABILITY = (9, 0)
 #: TMA: base address and every stride but the last must be multiples of this many bytes
 TMA_ALIGN_BYTES = 16
-#: tests and benchmarks set this to fill dense outputs with NaN before the launch (checks every element is written)
-_POISON_OUTPUTS = False
-#: apply the mask on every tile instead of only on diagonal/ragged tiles (a debugging fallback; slower)
-_ALWAYS_MASK = False
-#: launches to run (benchmarks time the kernels one at a time by removing the others; results then invalid)
-_RUN = ("pre", "dq", "dkdv")
-#: the preprocess launch's rows per program
-_PRE_BLOCK_S = 64
+#: the KV-major kernel loads each tile's per-row (LSE2, D, λ) from the flat fp32 (B·H·Sq) scratch with TMA, whose
+#: box start must be 16-byte aligned: tiles start at multiples of 32 rows within a head, so Sq must be a multiple
+#: of 4 (an odd Sq = 333 raised "illegal instruction" on the H200)
+SCRATCH_ROW_ALIGN = 4
+#: keys per CTA: two consumer warpgroups of ``gluon_kernels.KEYS_PER_WG`` keys
+BLOCK_N = 128
+#: warps of the default partition (one consumer warpgroup); the kernel has 12 warps in all (two consumer
+#: warpgroups and the producer's, rounded up to a warpgroup)
+NUM_WARPS = 4
+TOTAL_WARPS = 12
+#: registers per thread at launch: 12 warps × 32 threads × 168 ≤ 65536, an SM's register file; the partitions
+#: then re-balance (setmaxnreg) to 240 for each consumer and 24 for the producer
+MAXNREG = 168
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile shape of one kernel: rows of the loop-invariant operand, rows of the streamed operand, warps
-    (two warpgroups at 8), depth of the TMA ring."""
+    """Query rows of one streamed Q/dO tile, and the depth of the TMA ring."""
     block_m: int
-    block_n: int
-    num_warps: int
     num_stages: int
 
 
-#: per head dim: the dQ-major kernel (block_m queries resident, block_n keys streamed) and the KV-major kernel
-#: (block_n keys resident, block_m queries streamed). Chosen spill-free from the sm_90a resource report
-#: (benchmarks/NOTES_gluon.md): dkdv at D=128 spills with 64 query rows a tile, so it streams 32.
-CONFIGS = {
-    64: {"dq": KernelConfig(128, 64, 8, 2), "dkdv": KernelConfig(64, 128, 8, 2)},
-    128: {"dq": KernelConfig(128, 64, 8, 2), "dkdv": KernelConfig(32, 128, 8, 2)},
-}
-
-#: the dq kernel's key-tile width checked on the device; block_n = 128 (D=64) crashed there (run 3), not understood
-DQ_BLOCK_N_VALIDATED = 64
+#: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``benchmarks/gluon_check.py --compile-only``)
+CONFIGS = {64: KernelConfig(64, 2), 128: KernelConfig(64, 2)}
 
 #: registers / spills of the last launch (for the benchmark's notes)
 LAST_KERNELS: dict = {}
@@ -89,20 +88,13 @@ def _tma_reason(name: str, x: torch.Tensor) -> Optional[str]:
     return None
 
 
-def gluon_supported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                           do: Optional[torch.Tensor] = None, causal: bool = False,
-                           causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1),
-                           softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None, attn_mask=None,
-                           dropout_p: float = 0.0, correct: bool = True, dk_form: Optional[str] = None,
-                           **_ignored) -> Optional[str]:
-    """None when ``gluon_backward`` runs these inputs; otherwise a short reason (the caller then uses the
-    ``tl`` kernel, ``triton_bwd.gproj_backward``)."""
+def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Optional[torch.Tensor] = None,
+                    window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, varlen: bool = False,
+                    correct: bool = True, dk_form: Optional[str] = None) -> Optional[str]:
+    """None when the Gluon KV-major kernel runs this call; otherwise a short reason (the ``tl`` kernel runs it).
+    Causal masking is not an argument: both alignments are covered."""
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
-    if attn_mask is not None:
-        return "attn_mask"
-    if dropout_p and dropout_p > 0.0:
-        return "dropout"
     if not correct:
         return "correct=False (measurement mode of the tl kernel)"
     if dk_form not in (None, "fused"):
@@ -111,10 +103,8 @@ def gluon_supported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         return "window"
     if softcap and softcap > 0.0:
         return "softcap"
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+    if varlen:
         return "varlen"
-    if causal and causal_align not in ("top_left", "bottom_right"):
-        return f"causal_align={causal_align}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype={str(q.dtype).replace('torch.', '')}"
     if k.dtype != q.dtype or v.dtype != q.dtype or (do is not None and do.dtype != q.dtype):
@@ -126,16 +116,36 @@ def gluon_supported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         return "head dims differ"
     if d not in GLUON_HEAD_DIMS:
         return f"head_dim={d} (gluon: {GLUON_HEAD_DIMS})"
+    if q.shape[2] % SCRATCH_ROW_ALIGN != 0:
+        return f"Sq={q.shape[2]} not a multiple of {SCRATCH_ROW_ALIGN} (TMA of the fp32 per-row scratch)"
+    if q.shape[0] * q.shape[1] * q.shape[2] >= 2 ** 31:
+        return "B·H·Sq ≥ 2^31 (TMA coordinates are int32)"
     if q.device.type != "cuda":
         return f"device={q.device.type}"
     cap = torch.cuda.get_device_capability(q.device)
     if cap != GLUON_CAPABILITY:
-        return f"sm_{cap[0]}{cap[1]} (gluon kernels are sm_90a)"
+        return f"sm_{cap[0]}{cap[1]} (the gluon kernel is sm_90a)"
     for name, x in (("q", q), ("k", k), ("v", v)) + ((("do", do),) if do is not None else ()):
         reason = _tma_reason(name, x)
         if reason is not None:
             return reason
     return None
+
+
+def kv_major_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
+                    window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                    correct: bool = True, dk_form: Optional[str] = None, **_ignored) -> Tuple[str, Optional[str]]:
+    """(KV-major kernel, why not the Gluon one) for a call the kernel tier takes: ("gluon", None) where
+    ``kv_major_reason`` allows it and the head dim is one where it measured faster than the tl kernel
+    (``FASTER_HEAD_DIMS``), else ("tl", why). The router counts the answer in ``stats()``."""
+    if do.dtype != q.dtype:
+        do = None  # gproj_backward casts it to q's dtype first
+    reason = kv_major_reason(q, k, v, do=do, window=window, softcap=softcap,
+                             varlen=cu_seqlens_q is not None or cu_seqlens_k is not None, correct=correct,
+                             dk_form=dk_form)
+    if reason is None and q.shape[-1] not in FASTER_HEAD_DIMS:
+        reason = f"head_dim={q.shape[-1]}: the tl KV-major kernel is faster there"
+    return ("gluon", None) if reason is None else ("tl", reason)
 
 
 def _descriptor(x: torch.Tensor, block_rows: int) -> "TensorDescriptor":
@@ -151,79 +161,65 @@ def _descriptor(x: torch.Tensor, block_rows: int) -> "TensorDescriptor":
     return TensorDescriptor(x, shape, strides, block, layout)
 
 
-def _out_like(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(x)
-    if out.stride(-1) != 1:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if _POISON_OUTPUTS:
-        out.fill_(float("nan"))
-    return out
+def _row_descriptor(x: torch.Tensor, block_rows: int) -> "TensorDescriptor":
+    """1-D TMA descriptor over a flat fp32 (B·H·Sq) scratch buffer, ``block_rows`` values a box."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_rows], layout)
+
+
+def launch_dkdv(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor,
+                config: Optional[KernelConfig] = None):
+    """The KV-major launch of ``job`` (a ``triton_launch.Launch`` that ``kv_major_reason`` accepted): dk, dv from
+    the dQ-major launch's fp32 (B·H, Sq) scratch D, base-2 LSE and λ. Returns the compiled kernel."""
+    q, k, v, do = job.q, job.k, job.v, job.do
+    B, H, SQ, D = q.shape
+    HKV, SK = k.shape[1], k.shape[2]
+    left, right = job.window
+    if left >= 0 or right > 0 or job.varlen or not (job.correct and job.fused):
+        raise ValueError("launch_dkdv: a window, varlen, or uncorrected/two-product job (kv_major_reason)")
+    if job.dk.stride(-1) != 1 or job.dv.stride(-1) != 1:
+        raise ValueError("launch_dkdv: dk and dv need a contiguous last dim")
+    causal = right == 0
+    cfg = config or CONFIGS[D]
+    kern = _gk._dkdv_kernel[(triton.cdiv(SK, BLOCK_N), HKV, B)](
+        _descriptor(q, cfg.block_m), _descriptor(k, BLOCK_N // 2), _descriptor(v, BLOCK_N // 2),
+        _descriptor(do, cfg.block_m), _row_descriptor(lse2, cfg.block_m), _row_descriptor(delta, cfg.block_m),
+        _row_descriptor(lam, cfg.block_m), job.dk, job.dv,
+        job.dk.stride(0), job.dk.stride(1), job.dk.stride(2), job.dv.stride(0), job.dv.stride(1),
+        job.dv.stride(2), H, H // HKV, SQ, SK, SK - SQ if (causal and job.bottom_right) else 0, job.alpha,
+        job.alpha * math.log2(math.e), CAUSAL=causal, NUM_STAGES=cfg.num_stages, num_warps=NUM_WARPS,
+        maxnreg=MAXNREG)
+    LAST_KERNELS.clear()
+    LAST_KERNELS["dkdv"] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None),
+                                config=cfg)
+    return kern
+
+
+def gluon_supported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                           do: Optional[torch.Tensor] = None, causal: bool = False,
+                           causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None, attn_mask=None,
+                           dropout_p: float = 0.0, correct: bool = True, dk_form: Optional[str] = None,
+                           sink=None, **_ignored) -> Optional[str]:
+    """None when ``gluon_backward`` runs these inputs: the ``tl`` kernel's predicate and ``kv_major_reason``."""
+    from .triton_bwd import kernel_unsupported_reason
+    reason = kernel_unsupported_reason(q, k, v, dropout_p=dropout_p, attn_mask=attn_mask, softcap=softcap,
+                                       sink=sink)
+    if reason is not None:
+        return reason
+    if causal and causal_align not in ("top_left", "bottom_right"):
+        return f"causal_align={causal_align}"
+    return kv_major_reason(q, k, v, do=do, window=window, softcap=softcap,
+                           varlen=cu_seqlens_q is not None or cu_seqlens_k is not None, correct=correct,
+                           dk_form=dk_form)
 
 
 def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
-                   causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                   cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                   max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                   correct: bool = True, deterministic: bool = False, dk_form: Optional[str] = None,
-                   _config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GProj backward (dq, dk, dv) in the input dtype; same contract as ``triton_bwd.gproj_backward``.
-
-    Raises ValueError when ``gluon_supported_reason`` is not None. Always deterministic (no atomics);
-    ``deterministic`` is accepted and changes nothing. ``_config`` ({"dq": KernelConfig, "dkdv": ...}) overrides
-    the tile configs (benchmarks).
-    """
-    if do.dtype != q.dtype:
-        do = do.to(q.dtype)
-    reason = gluon_supported_reason(q, k, v, do=do, causal=causal, causal_align=causal_align, window=window,
-                                    softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                    correct=correct, dk_form=dk_form)
+                   lse: torch.Tensor, **kwargs):
+    """``triton_bwd.gproj_backward`` with the Gluon KV-major launch (ValueError where ``gluon_supported_reason``
+    is not None). ``_gluon_config`` (a ``KernelConfig``) overrides the tile config (benchmarks)."""
+    from .triton_bwd import gproj_backward
+    reason = gluon_supported_reason(q, k, v, do=do, **{n: x for n, x in kwargs.items() if not n.startswith("_")})
     if reason is not None:
         raise ValueError(f"gluon_backward cannot run these inputs: {reason}")
-    validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
-    if o.dtype != q.dtype or o.stride(-1) != 1:
-        o = o.to(q.dtype).contiguous()  # the preprocess reads rows of O with unit stride
-    B, H, SQ, D = q.shape
-    HKV, SK = k.shape[1], k.shape[2]
-    lse = normalize_lse(lse, B, H, SQ)
-    alpha = default_scale(D, scale)
-    dq, dk, dv = _out_like(q), _out_like(k), _out_like(v)
-    if B == 0 or H == 0 or SQ == 0 or SK == 0:
-        dq.zero_(), dk.zero_(), dv.zero_()
-        return dq, dk, dv
-
-    delta = torch.empty((B * H, SQ), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
-    lam = torch.empty_like(delta)
-    if "pre" in _RUN:
-        _gk._preprocess_kernel[(triton.cdiv(SQ, _PRE_BLOCK_S), B * H)](
-            o, do, lse, delta, lse2, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
-            do.stride(2), *lse.stride(), H, SQ, BLOCK_S=_PRE_BLOCK_S, HEAD_DIM=D, num_warps=4)
-
-    cfg = dict(CONFIGS[D])
-    cfg.update(_config or {})
-    cq, ck = cfg["dq"], cfg["dkdv"]
-    if cq.block_n != DQ_BLOCK_N_VALIDATED:
-        raise ValueError(f"dq block_n={cq.block_n}: only {DQ_BLOCK_N_VALIDATED} is validated (128 hit an illegal "
-                         "address on the H200, benchmarks/NOTES_gluon.md)")
-    shift = SK - SQ if (causal and causal_align == "bottom_right") else 0
-    group = H // HKV
-    common = dict(H=H, GROUP=group, SQ=SQ, SK=SK, shift=shift, scale=alpha, scale_log2=alpha * math.log2(math.e),
-                  CAUSAL=bool(causal), ALWAYS_MASK=bool(_ALWAYS_MASK))
-
-    kq = kk = None
-    if "dq" in _RUN:
-        kq = _gk._dq_kernel[(triton.cdiv(SQ, cq.block_m), H, B)](
-            _descriptor(q, cq.block_m), _descriptor(k, cq.block_n), _descriptor(v, cq.block_n),
-            _descriptor(do, cq.block_m), dq, delta, lse2, lam, dq.stride(0), dq.stride(1), dq.stride(2),
-            **common, NUM_STAGES=cq.num_stages, num_warps=cq.num_warps)
-    if "dkdv" in _RUN:
-        kk = _gk._dkdv_kernel[(triton.cdiv(SK, ck.block_n), HKV, B)](
-            _descriptor(q, ck.block_m), _descriptor(k, ck.block_n), _descriptor(v, ck.block_n),
-            _descriptor(do, ck.block_m), dk, dv, delta, lse2, lam,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            **common, NUM_STAGES=ck.num_stages, num_warps=ck.num_warps)
-    LAST_KERNELS.clear()
-    for name, kern in (("dq", kq), ("dkdv", kk)):
-        LAST_KERNELS[name] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None))
-    return dq, dk, dv
+    return gproj_backward(do, q, k, v, o, lse, kv_major="gluon", **kwargs)

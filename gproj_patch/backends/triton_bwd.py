@@ -87,6 +87,7 @@ from typing import Optional, Tuple
 import torch
 
 from .compat import triton_interpreter_index_patch
+from .gluon_bwd import kv_major_kernel, kv_major_reason
 from .spec import (MaskSpec, default_scale, normalize_lse, sink_unsupported_reason, validate_cu_seqlens,
                    validate_qkv)
 
@@ -97,6 +98,8 @@ except Exception:  # pragma: no cover
     _HAS_TRITON = False
 
 DK_FORMS = ("two_product", "fused")
+#: the kernels of the KV-major launch: the portable tl kernel, the warp-specialized sm_90a Gluon kernel
+KV_MAJOR_KERNELS = ("tl", "gluon")
 #: dk form used when none is asked for (chosen on the H200 suite, see BENCHMARKS.md)
 DEFAULT_DK_FORM = "fused"
 
@@ -248,7 +251,8 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
                    max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                    correct: bool = True, deterministic: bool = False, dk_form: Optional[str] = None,
-                   _config: Optional[dict] = None, sink: Optional[torch.Tensor] = None):
+                   _config: Optional[dict] = None, sink: Optional[torch.Tensor] = None,
+                   kv_major: Optional[str] = None, _gluon_config=None):
     """GProj backward of attention: (dq, dk, dv) in the input dtype. See the module docstring.
 
     Shapes follow ``spec.py``: q, o, do (B, Hq, Sq, D); k, v (B, Hkv, Sk, D); any strides; lse the
@@ -256,7 +260,9 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     ``dk_form`` ("two_product" | "fused") picks the dk contraction (default ``DEFAULT_DK_FORM``).
     ``sink`` (Hq,): the learnable sink logits the forward's LSE includes; the result is then (dq, dk, dv,
     dsink), dsink shaped and typed like ``sink`` (module docstring).
-    Raises ValueError when ``kernel_unsupported_reason`` is not None.
+    ``kv_major`` picks the KV-major launch: "gluon" (the warp-specialized sm_90a kernel, ``gluon_bwd``), "tl", or
+    None: "gluon" where ``gluon_bwd.kv_major_reason`` allows, else "tl" (``kv_major_kernel``).
+    Raises ValueError when ``kernel_unsupported_reason`` is not None, or "gluon" is asked for and not possible.
     """
     mask = MaskSpec(causal=bool(causal), causal_align=causal_align, window=tuple(int(w) for w in window),
                     softcap=float(softcap))
@@ -271,7 +277,8 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             *(_pad_head_dim(x) for x in (do, q, k, v, o)), lse, scale=default_scale(D, scale), causal=causal,
             causal_align=causal_align, window=window, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, correct=correct,
-            deterministic=deterministic, dk_form=dk_form, _config=_config, sink=sink)
+            deterministic=deterministic, dk_form=dk_form, _config=_config, sink=sink, kv_major=kv_major,
+            _gluon_config=_gluon_config)
         narrow = tuple(torch.empty_like(x).copy_(g[..., :D]) for x, g in zip((q, k, v), grads))
         return narrow + tuple(grads[3:])
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -287,6 +294,7 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         o = o.to(q.dtype)
         do = do.to(q.dtype)
     lse = normalize_lse(lse, B, H, SQ)
+    kv_major = _kv_major(kv_major, q, k, v, do, mask, cu_seqlens_q is not None, correct, dk_form)
 
     interpret = q.device.type != "cuda"
     varlen = cu_seqlens_q is not None
@@ -329,12 +337,32 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         n_problems=Z, max_q=MQ, max_k=MK, window=(left, right), bottom_right=mask.causal_align == "bottom_right",
         alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(correct),
         fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv,
-        dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32")
+        dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32", kv_major=kv_major,
+        gluon_config=_gluon_config)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         target = _launch(_kernels(interpret), interpret, job)
     if sink is None:
         return dq, dk, dv
     return dq, dk, dv, sink_gradient(target.view(B, H, SQ), job)
+
+
+def _kv_major(asked: Optional[str], q, k, v, do, mask: MaskSpec, varlen: bool, correct: bool,
+              dk_form: Optional[str]) -> str:
+    """The KV-major kernel of this call: ``asked`` ("gluon" checked by ``kv_major_reason``), or the choice of
+    ``kv_major_kernel`` when None."""
+    if asked not in KV_MAJOR_KERNELS + (None,):
+        raise ValueError(f"kv_major must be one of {KV_MAJOR_KERNELS} or None, got {asked!r}")
+    if asked == "tl":
+        return "tl"
+    if asked == "gluon":
+        reason = kv_major_reason(q, k, v, do=do, window=mask.window, softcap=mask.softcap, varlen=varlen,
+                                 correct=correct, dk_form=dk_form)
+        if reason is not None:
+            raise ValueError(f"kv_major='gluon' cannot run these inputs: {reason}")
+        return "gluon"
+    dummy = q if varlen else None
+    return kv_major_kernel(q, k, v, do, window=mask.window, softcap=mask.softcap, cu_seqlens_q=dummy,
+                           cu_seqlens_k=dummy, correct=correct, dk_form=dk_form)[0]
 
 
 def _launch(km, interpret: bool, job) -> torch.Tensor:

@@ -41,6 +41,8 @@ class Launch:
     cfg_dq: Tuple[int, int, int, int]
     cfg_dkdv: Tuple[int, int, int, int]
     dot_precision: str = "tf32"  # tl.dot input precision: irrelevant for bf16/fp16, chosen for fp32 inputs
+    kv_major: str = "tl"  # the KV-major launch's kernel: "tl" (below) or "gluon" (gluon_bwd.launch_dkdv)
+    gluon_config: Optional[object] = None  # gluon_bwd.KernelConfig override (benchmarks)
 
 
 def sink_gradient(target: torch.Tensor, job: Launch) -> torch.Tensor:
@@ -92,7 +94,10 @@ def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernel
             H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap, HAS_SINK=has_sink,
             EVEN_M=(not job.varlen) and SQ % bm_q == 0, EVEN_N=(not job.varlen) and SK % bn_q == 0,
             BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=BD, num_warps=w_q, num_stages=st_q, **common)
-    if "dkdv" in parts and job.max_k > 0:
+    if "dkdv" in parts and job.max_k > 0 and job.kv_major == "gluon":
+        from .gluon_bwd import launch_dkdv
+        kk = launch_dkdv(job, delta, lse2, lam, job.gluon_config)
+    elif "dkdv" in parts and job.max_k > 0:
         kk = km._bwd_dkdv[(triton.cdiv(job.max_k, bn_k), HKV, job.n_problems)](
             q, k, v, do, job.dk, job.dv, delta, lse2, lam, job.cu_q, job.cu_k,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *job.dk.stride(), *job.dv.stride(),
@@ -104,4 +109,5 @@ def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernel
         last_kernels.clear()
         for name, kern in (("dq", kq), ("dkdv", kk)):
             last_kernels[name] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None))
+        last_kernels["kv_major"] = job.kv_major
     return target

@@ -1,0 +1,93 @@
+"""The per-call choice of the KV-major kernel (Gluon on sm_90, tl elsewhere) on CPU: the predicate's reasons,
+the explicit ``kv_major=`` argument, and ``stats()`` counting which kernel ran. The Gluon kernel itself runs in
+``tests/test_gluon_gpu.py`` (H200)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gproj_patch
+from gproj_patch.backends import gluon_bwd
+from gproj_patch.backends.gluon_bwd import kv_major_reason
+from gproj_patch.backends.reference import reference_backward, reference_forward
+from gproj_patch.backends.triton_bwd import gproj_backward, kv_major_kernel
+
+
+def _qkv(sq=64, sk=64, d=128, dtype=torch.bfloat16, h=2, hkv=2):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h, sq, d, generator=g).to(dtype)
+    k = torch.randn(1, hkv, sk, d, generator=g).to(dtype)
+    return q, k, k.clone(), q.clone()
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(window=(8, 0)), "window"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(varlen=True), "varlen"),
+    (dict(correct=False), "correct=False"),
+    (dict(dk_form="two_product"), "two_product"),
+])
+def test_uncovered_options_get_a_reason(kwargs, fragment):
+    q, k, v, do = _qkv()
+    reason = kv_major_reason(q, k, v, do=do, **kwargs)
+    assert reason is not None and fragment in reason
+
+
+@pytest.mark.parametrize("shape,dtype,fragment", [
+    ((64, 64, 96), torch.bfloat16, "head_dim=96"),
+    ((64, 64, 128), torch.float32, "dtype=float32"),
+    ((333, 64, 128), torch.bfloat16, "Sq=333"),
+    ((64, 64, 128), torch.bfloat16, "device=cpu"),
+])
+def test_uncovered_inputs_get_a_reason(shape, dtype, fragment):
+    q, k, v, do = _qkv(*shape, dtype=dtype)
+    reason = kv_major_reason(q, k, v, do=do)
+    if gluon_bwd._IMPORT_ERROR is not None:  # a Triton without Gluon: that is the reason for everything
+        assert reason == gluon_bwd._IMPORT_ERROR
+    else:
+        assert reason is not None and fragment in reason
+
+
+def test_kv_major_kernel_prefers_tl_where_gluon_is_not_faster():
+    q, k, v, do = _qkv(d=64)
+    name, why = kv_major_kernel(q, k, v, do)
+    assert name == "tl" and why  # on CPU: the device; on an H200 it would be the head dim
+    assert 64 not in gluon_bwd.FASTER_HEAD_DIMS and set(gluon_bwd.FASTER_HEAD_DIMS) <= set(gluon_bwd.GLUON_HEAD_DIMS)
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("GPROJ_TIER", "triton")
+
+
+def test_explicit_kv_major_is_checked(interpreter):
+    q, k, v, do = _qkv(dtype=torch.float16)
+    o, lse = reference_forward(q, k, v)
+    with pytest.raises(ValueError, match="kv_major='gluon'"):
+        gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="gluon")
+    with pytest.raises(ValueError, match="kv_major must be one of"):
+        gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="cudnn")
+
+
+def test_stats_count_the_kv_major_kernel_of_each_kernel_call(interpreter):
+    """fp16 on CPU runs the kernel tier under Triton's interpreter: the tl KV-major kernel, counted per call
+    with its reason; the gradients still match the fp64 oracle."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 2, 40, 32, generator=g).to(torch.float16) for _ in range(4))
+    k = k + 16.0
+    gproj_patch.enable(mode="gproj")
+    try:
+        gproj_patch.reset_stats()
+        for _ in range(2):
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True).backward(do)
+        s = gproj_patch.stats()
+    finally:
+        gproj_patch.disable()
+    assert s["gproj"] == 2 and s["kv_major"] == {"tl": 2}, s
+    assert sum(s["kv_major_reasons"].values()) == 2
+    ref = reference_backward(q, k, v, do, causal=True)
+    err = max(float((x.grad.double() - r).norm() / r.norm()) for x, r in zip((qq, kk, vv), ref))
+    assert err < 5e-3
+    gproj_patch.reset_stats()
+    assert gproj_patch.stats()["kv_major"] == {}
