@@ -91,3 +91,19 @@ def test_stats_count_the_kv_major_kernel_of_each_kernel_call(interpreter):
     assert err < 5e-3
     gproj_patch.reset_stats()
     assert gproj_patch.stats()["kv_major"] == {}
+
+
+@pytest.mark.skipif(gluon_bwd._IMPORT_ERROR is not None, reason="no Gluon in this Triton")
+def test_descriptors_reuse_one_layout_equal_to_a_fresh_one():
+    """The TMA descriptors' shared layouts are built once per (box, dtype) and equal what Gluon builds fresh:
+    the cache changes the host cost, never the compiled kernel."""
+    from triton.experimental.gluon import language as gl
+    x = torch.empty(2, 3, 40, 128, dtype=torch.bfloat16)
+    a, b = gluon_bwd._descriptor(x, 64), gluon_bwd._descriptor(x.clone(), 64)
+    assert a.layout is b.layout
+    assert a.layout == gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gl.bfloat16)
+    assert gluon_bwd._descriptor(x.half(), 64).layout == gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128],
+                                                                                                gl.float16)
+    rows = gluon_bwd._row_descriptor(torch.empty(2, 3, 40), 64)
+    assert rows.layout is gluon_bwd._row_descriptor(torch.empty(5, 8), 64).layout
+    assert list(rows.shape) == [240] and list(rows.block_shape) == [64]
