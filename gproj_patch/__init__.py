@@ -153,10 +153,10 @@ def is_enabled() -> bool:
 
 def stats() -> dict:
     """Backward calls per tier that ran ("gproj", "fp32", "original"; each hooked backward counted once),
-    forward calls through the hooks, every fallback reason with its count, the kernel tier's KV-major kernel
-    per call (``"kv_major"``: "gluon" on sm_90 where it applies, else "tl"; ``"kv_major_reasons"``: why not
-    the Gluon one), and — in ``auto``/``audit`` — each
-    layer's tier and last detector summary under ``"layers"``."""
+    forward calls through the hooks, every fallback reason with its count, the KV-major kernel of each backward
+    that ran the GProj kernel (``"kv_major"``: "gluon" on sm_90 where it applies, else "tl";
+    ``"kv_major_reasons"``: why not the Gluon one), and — in ``auto``/``audit`` — each layer's tier and last
+    detector summary under ``"layers"``."""
     from . import policy
     out = _telemetry.stats()
     out["layers"] = {name: {"tier": rec["tier"], "policy_tier": rec["policy_tier"], "stats": rec["stats"]}

@@ -2,7 +2,7 @@
 
 ``stats()`` returns ``{"gproj": n, "fp32": n, "original": n, "forward": {...}, "fallback_reasons": {reason: n},
 "kv_major": {"gluon": n, "tl": n}, "kv_major_reasons": {reason: n}}`` (the last two: which kernel ran the KV-major
-launch of the kernel tier's backwards, and why not the Gluon one).
+launch of each backward that ran the GProj kernel, and why not the Gluon one).
 A *fallback* is any call that did not run the GProj kernel in a mode that asked for it, or that kept the
 original path although the patch was on (e.g. an attention mask that requires grad); its reason is counted
 every time and logged through ``logging.getLogger("gproj_patch")`` the first time a (reason, shape class) pair
@@ -67,7 +67,8 @@ def record_forward(path: str, reason: Optional[str] = None, cls: Tuple = ()) -> 
 
 
 def record_kv_major(kernel: str, reason: Optional[str] = None) -> None:
-    """A kernel-tier backward's KV-major launch: "gluon" or "tl" (with why not the Gluon kernel)."""
+    """The KV-major launch of a backward that ran the GProj kernel (the kernel tier, or the FP32 tier's kernel
+    form on fp32 copies): "gluon" or "tl" (with why not the Gluon kernel)."""
     with STATE.lock:
         STATE.kv_major[kernel] += 1
         if reason:

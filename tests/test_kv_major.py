@@ -107,3 +107,22 @@ def test_descriptors_reuse_one_layout_equal_to_a_fresh_one():
     rows = gluon_bwd._row_descriptor(torch.empty(2, 3, 40), 64)
     assert rows.layout is gluon_bwd._row_descriptor(torch.empty(5, 8), 64).layout
     assert list(rows.shape) == [240] and list(rows.block_shape) == [64]
+
+
+@pytest.mark.skipif(gluon_bwd._IMPORT_ERROR is not None, reason="no Gluon in this Triton")
+@pytest.mark.parametrize("head_dim", sorted(gluon_bwd.CONFIGS))
+def test_default_configs_compile_for_sm90a_without_spills(head_dim):
+    """The shipped Gluon configs compile for sm_90a on this (GPU-less) machine with Triton's own ptxas and spill
+    nothing (benchmarks/gluon_check.py --compile-only): a kernel edit that breaks compilation or starts spilling
+    fails here, in CI, before any GPU run."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gluon_check.py")
+    spec = importlib.util.spec_from_file_location("gluon_check_cpu", path)
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    cfg = gluon_bwd.CONFIGS[head_dim]
+    (row,) = gc.compile_report(head_dims=(head_dim,), block_ms=(cfg.block_m,), stages=(cfg.num_stages,))
+    assert "error" not in row, row
+    assert row["stack"] == 0 and row["regs"] == gluon_bwd.MAXNREG, row
+    assert row["smem"] <= gluon_bwd.SMEM_LIMIT_BYTES, row

@@ -60,6 +60,8 @@ TOTAL_WARPS = 12
 #: registers per thread at launch: 12 warps × 32 threads × 168 ≤ 65536, an SM's register file; the partitions
 #: then re-balance (setmaxnreg) to 240 for each consumer and 24 for the producer
 MAXNREG = 168
+#: shared memory a CTA may use on sm_90 (227 KB)
+SMEM_LIMIT_BYTES = 227 * 1024
 
 
 @dataclass(frozen=True)

@@ -294,7 +294,7 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         o = o.to(q.dtype)
         do = do.to(q.dtype)
     lse = normalize_lse(lse, B, H, SQ)
-    kv_major = _kv_major(kv_major, q, k, v, do, mask, cu_seqlens_q is not None, correct, dk_form)
+    kv_major = _kv_major(kv_major, q, k, v, do, mask, cu_seqlens_q, cu_seqlens_k, correct, dk_form)
 
     interpret = q.device.type != "cuda"
     varlen = cu_seqlens_q is not None
@@ -346,23 +346,23 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv, sink_gradient(target.view(B, H, SQ), job)
 
 
-def _kv_major(asked: Optional[str], q, k, v, do, mask: MaskSpec, varlen: bool, correct: bool,
+def _kv_major(asked: Optional[str], q, k, v, do, mask: MaskSpec, cu_seqlens_q, cu_seqlens_k, correct: bool,
               dk_form: Optional[str]) -> str:
-    """The KV-major kernel of this call: ``asked`` ("gluon" checked by ``kv_major_reason``), or the choice of
-    ``kv_major_kernel`` when None."""
+    """The KV-major kernel of this call: "tl" when asked; "gluon" when asked and ``kv_major_reason`` allows it
+    (ValueError otherwise; no speed preference: benchmarks and tests ask for it at every covered head dim); the
+    choice of ``kv_major_kernel`` when None."""
     if asked not in KV_MAJOR_KERNELS + (None,):
         raise ValueError(f"kv_major must be one of {KV_MAJOR_KERNELS} or None, got {asked!r}")
     if asked == "tl":
         return "tl"
+    opts = dict(window=mask.window, softcap=mask.softcap, correct=correct, dk_form=dk_form)
     if asked == "gluon":
-        reason = kv_major_reason(q, k, v, do=do, window=mask.window, softcap=mask.softcap, varlen=varlen,
-                                 correct=correct, dk_form=dk_form)
+        reason = kv_major_reason(q, k, v, do=do, varlen=cu_seqlens_q is not None or cu_seqlens_k is not None,
+                                 **opts)
         if reason is not None:
             raise ValueError(f"kv_major='gluon' cannot run these inputs: {reason}")
         return "gluon"
-    dummy = q if varlen else None
-    return kv_major_kernel(q, k, v, do, window=mask.window, softcap=mask.softcap, cu_seqlens_q=dummy,
-                           cu_seqlens_k=dummy, correct=correct, dk_form=dk_form)[0]
+    return kv_major_kernel(q, k, v, do, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **opts)[0]
 
 
 def _launch(km, interpret: bool, job) -> torch.Tensor:
