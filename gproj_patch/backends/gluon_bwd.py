@@ -41,7 +41,7 @@ except Exception as exc:  # pragma: no cover - no triton, or a triton without Gl
 #: head dims the kernel is instantiated for
 GLUON_HEAD_DIMS = (64, 128)
 #: head dims where it is the default (``triton_bwd.kv_major_kernel``): faster than the tl KV-major kernel on the
-#: H200 at every shape timed (BENCHMARKS.md run 23: D=128 ×0.81–0.89 of the tl launch; D=64 ×1.07–1.13, slower)
+#: H200 at every shape timed (BENCHMARKS.md run 23: D=128 ×0.82–0.91 of the tl launch; D=64 ×1.07–1.13, slower)
 FASTER_HEAD_DIMS = (128,)
 #: the one compute capability the kernel is written for (TMA, wgmma, setmaxnreg: sm_90a)
 GLUON_CAPABILITY = (9, 0)
