@@ -19,6 +19,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 [ -n "${SKIP_AUTO:-}" ] || step auto_check 140 python3 benchmarks/auto_check.py --out "$OUT/auto_check.json"
 [ -n "${SKIP_AUDIT:-}" ] || step audit 80 python3 -m gproj_patch audit --device cuda --no-progress --json "$OUT/audit_cuda.json" --plot "$OUT/audit_cuda.png"
 [ -z "${SWEEP_ARGS:-}" ] || step sweep "${SWEEP_LIMIT:-90}" python3 benchmarks/kernel_sweep.py $SWEEP_ARGS --out "$OUT/timing"
+[ -n "${SKIP_GLUON:-}" ] || step gluon_check "${GLUON_LIMIT:-150}" python3 benchmarks/gluon_check.py --out "$OUT/timing"
 [ -n "${SKIP_TIMING:-}" ] || step timing "${TIMING_LIMIT:-150}" python3 benchmarks/device_check.py ${TIMING_ARGS:---skip-suite} --out "$OUT/timing"
 [ -n "${SKIP_DETECTOR:-}" ] || step detector_cost 80 python3 benchmarks/detector_cost.py --out "$OUT/detector"
 [ -n "${SKIP_STEPS:-}" ] || step host_overhead 200 python3 benchmarks/host_overhead.py ${STEPS_ARGS:-} --out "$OUT/steps"
