@@ -263,22 +263,23 @@ def compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2, 3)):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
     from gproj_patch.backends import gluon_kernels
+    from gproj_patch.backends.triton_launch import Launch
     fn = gluon_kernels._dkdv_kernel
     params = list(inspect.signature(fn.fn).parameters)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows = []
     for D in head_dims:
+        # CPU tensors shaped like a causal 2·4·1024·D call; the arguments are built as the launch builds them
         x = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16)
-        f = torch.empty(2 * 4 * 1024, dtype=torch.float32)
+        f = torch.empty(2 * 4, 1024, dtype=torch.float32)
+        job = Launch(do=x, q=x, k=x, v=x, o=x, lse=f, dq=x, dk=x, dv=x, sink=None, cu_q=x, cu_k=x, varlen=False,
+                     n_problems=2, max_q=1024, max_k=1024, window=(-1, 0), bottom_right=False, alpha=D ** -0.5,
+                     softcap=0.0, correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
         for bm in block_ms:
             for st in stages:
-                args = dict(q_desc=gluon_bwd._descriptor(x, bm), k_desc=gluon_bwd._descriptor(x, gluon_bwd.BLOCK_N // 2),
-                            v_desc=gluon_bwd._descriptor(x, gluon_bwd.BLOCK_N // 2), do_desc=gluon_bwd._descriptor(x, bm),
-                            lse2_desc=gluon_bwd._row_descriptor(f, bm), delta_desc=gluon_bwd._row_descriptor(f, bm),
-                            lam_desc=gluon_bwd._row_descriptor(f, bm), DK=x, DV=x, sdk_b=4096 * D, sdk_h=1024 * D, sdk_s=D,
-                            sdv_b=4096 * D, sdv_h=1024 * D, sdv_s=D, H=4, GROUP=1, SQ=1024, SK=1024, shift=0,
-                            scale=0.1, scale_log2=0.14)
-                const = dict(CAUSAL=True, NUM_STAGES=st, num_warps=gluon_bwd.NUM_WARPS)
+                args = gluon_bwd.dkdv_arguments(job, f, f, f, KernelConfig(bm, st))
+                const = {n: args[n] for n in params if n in ("CAUSAL", "NUM_STAGES")}
+                const["num_warps"] = gluon_bwd.NUM_WARPS
                 sig = {p: "constexpr" if p in const else mangle_type(args[p]) for p in params}
                 src = GluonASTSource(fn, sig, {(params.index(n),): c for n, c in const.items()})
                 try:

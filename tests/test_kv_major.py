@@ -126,3 +126,27 @@ def test_default_configs_compile_for_sm90a_without_spills(head_dim):
     assert "error" not in row, row
     assert row["stack"] == 0 and row["regs"] == gluon_bwd.MAXNREG, row
     assert row["smem"] <= gluon_bwd.SMEM_LIMIT_BYTES, row
+
+
+@pytest.mark.skipif(gluon_bwd._IMPORT_ERROR is not None, reason="no Gluon in this Triton")
+def test_dkdv_arguments_name_every_kernel_parameter_and_refuse_what_it_cannot_run():
+    """The launch's keyword arguments are exactly the kernel's parameters (num_warps aside), the causal shift
+    follows the alignment, and a job the kernel does not cover (a window) is refused rather than run."""
+    import dataclasses
+    import inspect
+    from gproj_patch.backends import gluon_kernels
+    from gproj_patch.backends.triton_launch import Launch
+    q = torch.empty(1, 4, 96, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 160, 128, dtype=torch.bfloat16)
+    f = torch.empty(4, 96)
+    job = Launch(do=q, q=q, k=k, v=k, o=q, lse=f, dq=q, dk=k, dv=k, sink=None, cu_q=q, cu_k=q, varlen=False,
+                 n_problems=1, max_q=96, max_k=160, window=(-1, 0), bottom_right=True, alpha=0.125, softcap=0.0,
+                 correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
+    args = gluon_bwd.dkdv_arguments(job, f, f, f, gluon_bwd.CONFIGS[128])
+    params = set(inspect.signature(gluon_kernels._dkdv_kernel.fn).parameters) - {"num_warps"}
+    assert set(args) == params
+    assert args["CAUSAL"] and args["shift"] == 160 - 96 and args["GROUP"] == 2
+    assert not gluon_bwd.dkdv_arguments(dataclasses.replace(job, bottom_right=False), f, f, f,
+                                        gluon_bwd.CONFIGS[128])["shift"]
+    with pytest.raises(ValueError, match="window"):
+        gluon_bwd.dkdv_arguments(dataclasses.replace(job, window=(16, 0)), f, f, f, gluon_bwd.CONFIGS[128])

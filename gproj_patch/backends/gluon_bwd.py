@@ -182,28 +182,35 @@ def _row_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-def launch_dkdv(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor,
-                config: Optional[KernelConfig] = None):
-    """The KV-major launch of ``job`` (a ``triton_launch.Launch`` that ``kv_major_reason`` accepted): dk, dv from
-    the dQ-major launch's fp32 (B·H, Sq) scratch D, base-2 LSE and λ. Returns the compiled kernel."""
-    q, k, v, do = job.q, job.k, job.v, job.do
-    B, H, SQ, D = q.shape
-    HKV, SK = k.shape[1], k.shape[2]
+def dkdv_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor, cfg: KernelConfig) -> dict:
+    """The keyword arguments of ``gluon_kernels._dkdv_kernel`` (constexprs included) for ``job`` (a
+    ``triton_launch.Launch`` that ``kv_major_reason`` accepted) and the dQ-major launch's fp32 (B·H, Sq) scratch
+    D, base-2 LSE and λ. Pure host work: ``benchmarks/gluon_check.py --compile-only`` compiles from it on a CPU."""
+    q, k, dk, dv = job.q, job.k, job.dk, job.dv
     left, right = job.window
     if left >= 0 or right > 0 or job.varlen or not (job.correct and job.fused):
         raise ValueError("launch_dkdv: a window, varlen, or uncorrected/two-product job (kv_major_reason)")
-    if job.dk.stride(-1) != 1 or job.dv.stride(-1) != 1:
+    if dk.stride(-1) != 1 or dv.stride(-1) != 1:
         raise ValueError("launch_dkdv: dk and dv need a contiguous last dim")
     causal = right == 0
-    cfg = config or CONFIGS[D]
+    H, SQ, SK = q.shape[1], q.shape[2], k.shape[2]
+    return dict(
+        q_desc=_descriptor(q, cfg.block_m), k_desc=_descriptor(k, BLOCK_N // 2), v_desc=_descriptor(job.v, BLOCK_N // 2),
+        do_desc=_descriptor(job.do, cfg.block_m), lse2_desc=_row_descriptor(lse2, cfg.block_m),
+        delta_desc=_row_descriptor(delta, cfg.block_m), lam_desc=_row_descriptor(lam, cfg.block_m), DK=dk, DV=dv,
+        sdk_b=dk.stride(0), sdk_h=dk.stride(1), sdk_s=dk.stride(2),
+        sdv_b=dv.stride(0), sdv_h=dv.stride(1), sdv_s=dv.stride(2),
+        H=H, GROUP=H // k.shape[1], SQ=SQ, SK=SK, shift=SK - SQ if (causal and job.bottom_right) else 0,
+        scale=job.alpha, scale_log2=job.alpha * math.log2(math.e), CAUSAL=causal, NUM_STAGES=cfg.num_stages)
+
+
+def launch_dkdv(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor,
+                config: Optional[KernelConfig] = None):
+    """The KV-major launch of ``job`` (``dkdv_arguments``): dk, dv. Returns the compiled kernel."""
+    B, HKV, SK = job.k.shape[0], job.k.shape[1], job.k.shape[2]
+    cfg = config or CONFIGS[job.q.shape[-1]]
     kern = _gk._dkdv_kernel[(triton.cdiv(SK, BLOCK_N), HKV, B)](
-        _descriptor(q, cfg.block_m), _descriptor(k, BLOCK_N // 2), _descriptor(v, BLOCK_N // 2),
-        _descriptor(do, cfg.block_m), _row_descriptor(lse2, cfg.block_m), _row_descriptor(delta, cfg.block_m),
-        _row_descriptor(lam, cfg.block_m), job.dk, job.dv,
-        job.dk.stride(0), job.dk.stride(1), job.dk.stride(2), job.dv.stride(0), job.dv.stride(1),
-        job.dv.stride(2), H, H // HKV, SQ, SK, SK - SQ if (causal and job.bottom_right) else 0, job.alpha,
-        job.alpha * math.log2(math.e), CAUSAL=causal, NUM_STAGES=cfg.num_stages, num_warps=NUM_WARPS,
-        maxnreg=MAXNREG)
+        **dkdv_arguments(job, delta, lse2, lam, cfg), num_warps=NUM_WARPS, maxnreg=MAXNREG)
     LAST_KERNELS.clear()
     LAST_KERNELS["dkdv"] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None),
                                 config=cfg)
