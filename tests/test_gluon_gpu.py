@@ -23,8 +23,8 @@ from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
 from gproj_patch.backends.gluon_bwd import gluon_backward, gluon_supported_reason  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 
-if gluon_bwd._IMPORT_ERROR is not None:
-    pytest.skip(gluon_bwd._IMPORT_ERROR, allow_module_level=True)
+if gluon_bwd.UNAVAILABLE_REASON is not None:
+    pytest.skip(gluon_bwd.UNAVAILABLE_REASON, allow_module_level=True)
 
 _spec = importlib.util.spec_from_file_location(
     "gluon_check", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gluon_check.py"))

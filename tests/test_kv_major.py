@@ -42,8 +42,8 @@ def test_uncovered_options_get_a_reason(kwargs, fragment):
 def test_uncovered_inputs_get_a_reason(shape, dtype, fragment):
     q, k, v, do = _qkv(*shape, dtype=dtype)
     reason = kv_major_reason(q, k, v, do=do)
-    if gluon_bwd._IMPORT_ERROR is not None:  # a Triton without Gluon: that is the reason for everything
-        assert reason == gluon_bwd._IMPORT_ERROR
+    if gluon_bwd.UNAVAILABLE_REASON is not None:  # a Triton without Gluon: that is the reason for everything
+        assert reason == gluon_bwd.UNAVAILABLE_REASON
     else:
         assert reason is not None and fragment in reason
 
@@ -93,7 +93,7 @@ def test_stats_count_the_kv_major_kernel_of_each_kernel_call(interpreter):
     assert gproj_patch.stats()["kv_major"] == {}
 
 
-@pytest.mark.skipif(gluon_bwd._IMPORT_ERROR is not None, reason="no Gluon in this Triton")
+@pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
 def test_descriptors_reuse_one_layout_equal_to_a_fresh_one():
     """The TMA descriptors' shared layouts are built once per (box, dtype) and equal what Gluon builds fresh:
     the cache changes the host cost, never the compiled kernel."""
@@ -109,7 +109,7 @@ def test_descriptors_reuse_one_layout_equal_to_a_fresh_one():
     assert list(rows.shape) == [240] and list(rows.block_shape) == [64]
 
 
-@pytest.mark.skipif(gluon_bwd._IMPORT_ERROR is not None, reason="no Gluon in this Triton")
+@pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
 @pytest.mark.parametrize("head_dim", sorted(gluon_bwd.CONFIGS))
 def test_default_configs_compile_for_sm90a_without_spills(head_dim):
     """The shipped Gluon configs compile for sm_90a on this (GPU-less) machine with Triton's own ptxas and spill
@@ -128,7 +128,7 @@ def test_default_configs_compile_for_sm90a_without_spills(head_dim):
     assert row["smem"] <= gluon_bwd.SMEM_LIMIT_BYTES, row
 
 
-@pytest.mark.skipif(gluon_bwd._IMPORT_ERROR is not None, reason="no Gluon in this Triton")
+@pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
 def test_dkdv_arguments_name_every_kernel_parameter_and_refuse_what_it_cannot_run():
     """The launch's keyword arguments are exactly the kernel's parameters (num_warps aside), the causal shift
     follows the alignment, and a job the kernel does not cover (a window) is refused rather than run."""
@@ -150,3 +150,15 @@ def test_dkdv_arguments_name_every_kernel_parameter_and_refuse_what_it_cannot_ru
                                         gluon_bwd.CONFIGS[128])["shift"]
     with pytest.raises(ValueError, match="window"):
         gluon_bwd.dkdv_arguments(dataclasses.replace(job, window=(16, 0)), f, f, f, gluon_bwd.CONFIGS[128])
+
+
+def test_unavailable_gluon_sends_every_call_to_tl(monkeypatch, interpreter):
+    """When the Gluon kernel cannot run in this process (an unchecked Triton release, no Gluon), the choice is
+    the tl kernel with that reason, and asking for Gluon explicitly is a clear error."""
+    monkeypatch.setattr(gluon_bwd, "UNAVAILABLE_REASON", "triton 9.9.0: the Gluon kernel was checked against 3.6")
+    q, k, v, do = _qkv(dtype=torch.float16)  # fp16 on CPU: the tl kernel's own predicate accepts it here
+    assert kv_major_kernel(q, k, v, do) == ("tl", "triton 9.9.0: the Gluon kernel was checked against 3.6")
+    assert "triton 9.9.0" in gluon_bwd.gluon_supported_reason(q, k, v, do=do)
+    o, lse = reference_forward(q, k, v)
+    with pytest.raises(ValueError, match="triton 9.9.0"):
+        gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="gluon")

@@ -118,3 +118,19 @@ def test_compat_hf_registries():
     assert "sdpa" in compat.hf_registry_mapping(AttentionMaskInterface)
     with pytest.raises(compat.CompatError):
         compat.hf_registry_mapping(object())
+
+
+def test_compat_gluon_release_gate():
+    """The Gluon kernel runs only on Triton releases it was checked against (any patch level); others get a
+    reason naming the release, and the installed one's answer is what gluon_bwd holds."""
+    import triton
+
+    from gproj_patch.backends import compat, gluon_bwd
+    for checked in compat.GLUON_CHECKED_TRITON:
+        assert compat.gluon_unsupported_reason(checked + ".0") is None
+        assert compat.gluon_unsupported_reason(checked + ".1+git1234") is None
+    for other in ("3.5.1", "3.7.0", "4.0.0", "3.60.0"):
+        reason = compat.gluon_unsupported_reason(other)
+        assert reason is not None and other in reason
+    installed = compat.gluon_unsupported_reason(triton.__version__)
+    assert installed is None or gluon_bwd.UNAVAILABLE_REASON == installed

@@ -1,7 +1,7 @@
 """Every private upstream API the package touches, in one place, with the versions it was checked against.
 
 Each touch-point is a small function that either does its job or raises ``CompatError`` naming what changed —
-never a silently wrong result. ``tests/test_compat.py`` exercises each one on the installed versions, so an
+never a silently wrong result. ``tests/test_structure.py`` exercises each one on the installed versions, so an
 upstream change fails loudly in CI. Checked against: torch 2.11.0+cu130 (the H200 image) and 2.13.0 (CPU);
 transformers 5.17 (H200) and 5.24 (CPU); triton 3.6.0.
 
@@ -13,6 +13,7 @@ transformers 5.17 (H200) and 5.24 (CPU); triton 3.6.0.
 | ``is_context_parallel_wrapper(fn)`` | ``torch.distributed.tensor.experimental._context_parallel._attention._replaced_functions`` | SDPA hook |
 | ``register_torchscript_builtin(fn, op)`` | ``torch.jit._builtins._register_builtin`` | SDPA hook (TorchScript) |
 | ``triton_interpreter_index_patch()`` | ``triton.runtime.interpreter._patch_lang_tensor`` | Triton kernel on CPU |
+| ``gluon_unsupported_reason(version)`` | ``triton.experimental.gluon`` (experimental: ``warp_specialize``'s signature, ``warpgroup_mma_init``, rank-1 ``NVMMASharedLayout`` TMA boxes) | Gluon KV-major kernel |
 
 This module imports nothing from the rest of the package.
 """
@@ -157,3 +158,24 @@ def triton_interpreter_index_patch() -> Iterator[None]:
         yield
     finally:
         ti._patch_lang_tensor = orig
+
+
+# ---- Triton's Gluon (experimental) -------------------------------------------------------------------------
+#: Triton releases the Gluon KV-major kernel (``backends/gluon_kernels.py``) was compiled and run on (H200, runs
+#: 22–25). Gluon is experimental: between releases ``gl.warp_specialize`` changed its signature (a list of
+#: (function, args) in 3.6, keyword default/worker partitions later), so other releases get the tl kernel.
+GLUON_CHECKED_TRITON = ("3.6",)
+
+
+def gluon_unsupported_reason(version: Optional[str] = None) -> Optional[str]:
+    """None when ``version`` (default: the installed Triton's) is a release the Gluon kernel was checked
+    against (``GLUON_CHECKED_TRITON``, any patch level); otherwise why the tl kernel runs instead."""
+    if version is None:
+        try:
+            import triton
+        except Exception as exc:  # pragma: no cover - triton is a dependency
+            return f"no triton ({type(exc).__name__})"
+        version = triton.__version__
+    if any(version == v or version.startswith(v + ".") for v in GLUON_CHECKED_TRITON):
+        return None
+    return f"triton {version}: the Gluon kernel was checked against triton {', '.join(GLUON_CHECKED_TRITON)} only"

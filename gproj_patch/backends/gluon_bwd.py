@@ -17,7 +17,8 @@ with a contiguous last dimension and 16-byte-aligned base and strides (TMA); Sq 
 
 ``gluon_backward`` is ``triton_bwd.gproj_backward`` with the Gluon KV-major launch required (tests, benchmarks).
 
-Importing this module needs neither CUDA nor Gluon; ``kv_major_reason`` then says what is missing.
+Importing this module needs neither CUDA nor Gluon; ``kv_major_reason`` then says what is missing
+(``UNAVAILABLE_REASON``: also a Triton release the kernel was not checked against, ``compat.gluon_unsupported_reason``).
 """
 from __future__ import annotations
 
@@ -28,15 +29,20 @@ from typing import Optional, Tuple
 
 import torch
 
-try:  # pragma: no cover - depends on the installed Triton
-    import triton
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from .compat import gluon_unsupported_reason
 
-    from . import gluon_kernels as _gk
-    _IMPORT_ERROR: Optional[str] = None
-except Exception as exc:  # pragma: no cover - no triton, or a triton without Gluon's Hopper API
-    _IMPORT_ERROR = f"no Gluon ({type(exc).__name__}: {exc})"[:200]
+#: why the Gluon kernel cannot run in this process at all (None when it can): a Triton release it was not
+#: checked against (``compat.GLUON_CHECKED_TRITON``), or Gluon's Hopper API missing
+UNAVAILABLE_REASON: Optional[str] = gluon_unsupported_reason()
+if UNAVAILABLE_REASON is None:
+    try:  # pragma: no cover - depends on the installed Triton
+        import triton
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        from . import gluon_kernels as _gk
+    except Exception as exc:  # pragma: no cover - a triton without Gluon's Hopper API
+        UNAVAILABLE_REASON = f"no Gluon ({type(exc).__name__}: {exc})"[:200]
 
 #: head dims the kernel is instantiated for
 GLUON_HEAD_DIMS = (64, 128)
@@ -96,8 +102,8 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
                     correct: bool = True, dk_form: Optional[str] = None) -> Optional[str]:
     """None when the Gluon KV-major kernel runs this call; otherwise a short reason (the ``tl`` kernel runs it).
     Causal masking is not an argument: both alignments are covered."""
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
+    if UNAVAILABLE_REASON is not None:
+        return UNAVAILABLE_REASON
     if not correct:
         return "correct=False (measurement mode of the tl kernel)"
     if dk_form not in (None, "fused"):
