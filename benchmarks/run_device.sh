@@ -22,6 +22,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 [ -n "${SKIP_GLUON:-}" ] || step gluon_check "${GLUON_LIMIT:-150}" python3 benchmarks/gluon_check.py --out "$OUT/timing"
 [ -n "${SKIP_TIMING:-}" ] || step timing "${TIMING_LIMIT:-150}" python3 benchmarks/device_check.py ${TIMING_ARGS:---skip-suite} --out "$OUT/timing"
 [ -n "${SKIP_DETECTOR:-}" ] || step detector_cost 80 python3 benchmarks/detector_cost.py --out "$OUT/detector"
+[ -z "${HOST_TRACE:-}" ] || step host_trace 120 python3 benchmarks/host_trace.py --shape 1,2,128,64 --out "$OUT/steps"
+[ -z "${HOST_TRACE:-}" ] || step host_trace_d128 120 python3 benchmarks/host_trace.py --modes gproj --shape 1,2,128,128 --stack --out "$OUT/steps"
 [ -n "${SKIP_STEPS:-}" ] || step host_overhead 200 python3 benchmarks/host_overhead.py ${STEPS_ARGS:-} --out "$OUT/steps"
 (cd "$OUT" && tar czf bundle.tgz model timing detector steps 2>/dev/null && rm -rf model timing detector steps)
 grep -E "^=== " "$LOG"
