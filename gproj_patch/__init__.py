@@ -96,7 +96,7 @@ class Handle:
 
 def enable(mode: Optional[str] = None, targets=None, **options) -> Handle:
     """Turn the patch on. Arguments override the environment (GPROJ_MODE, GPROJ_TARGETS, GPROJ_TIER,
-    GPROJ_LOG_LEVEL and the policy's GPROJ_* variables, ``config.py``), which overrides the defaults (mode
+    GPROJ_KV_MAJOR, GPROJ_LOG_LEVEL and the policy's GPROJ_* variables, ``config.py``), which overrides the defaults (mode
     "gproj", every target). Every option is validated here (ValueError naming it).
 
     Calling it again while enabled changes nothing and returns a non-owning handle.

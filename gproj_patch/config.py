@@ -13,6 +13,8 @@ even over an invalid environment value. Unknown keywords raise.
 |                     |                           | transformers, hf_eager, flex                     |         |
 | tier                | GPROJ_TIER                | auto (kernel where supported, else FP32 tier),   | auto    |
 |                     |                           | triton (kernel or error), fp32 (FP32 tier)       |         |
+| kv_major            | GPROJ_KV_MAJOR            | auto (the Gluon KV-major launch where supported  | auto    |
+|                     |                           | and faster: sm_90, D=128), tl (never Gluon)      |         |
 | log_level           | GPROJ_LOG_LEVEL           | DEBUG, INFO, WARNING, ERROR or an int            | WARNING |
 | sample_every        | GPROJ_SAMPLE_EVERY        | int >= 1: detector sampling period in steps      | 20      |
 | gproj_enter / _exit | GPROJ_AUTO_ENTER / _EXIT  | predicted dq leak that moves a layer to / from   | 0.01 /  |
@@ -40,6 +42,8 @@ MODES = ("gproj", "fp32", "off", "auto", "audit")
 POLICY_MODES = ("auto", "audit")
 TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex")
 TIER_OPTIONS = ("auto", "triton", "fp32")
+#: the kernel tier's KV-major launch: "auto" (``backends.gluon_bwd.kv_major_kernel`` chooses per call), "tl"
+KV_MAJOR_OPTIONS = ("auto", "tl")
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
            "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 _TRUE = ("1", "true", "yes", "on")
@@ -151,6 +155,7 @@ class Config:
     mode: str = "gproj"
     targets: Tuple[str, ...] = TARGETS
     tier: str = "auto"
+    kv_major: str = "auto"
     log_level: int = logging.WARNING
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
@@ -165,6 +170,7 @@ _CORE: Dict[str, _Option] = {
     "mode": _Option("GPROJ_MODE", lambda n, v: _choice(n, v, MODES)),
     "targets": _Option("GPROJ_TARGETS", parse_targets),
     "tier": _Option("GPROJ_TIER", lambda n, v: _choice(n, v, TIER_OPTIONS)),
+    "kv_major": _Option("GPROJ_KV_MAJOR", lambda n, v: _choice(n, v, KV_MAJOR_OPTIONS)),
     "log_level": _Option("GPROJ_LOG_LEVEL", parse_log_level),
 }
 _POLICY: Dict[str, _Option] = {

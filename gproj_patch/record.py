@@ -61,6 +61,7 @@ class Context:
     layer: str
     source: str
     policy: _config.PolicyConfig = field(default_factory=_config.PolicyConfig)
+    kv_major: str = "auto"  # the kernel tier's KV-major launch option (config.KV_MAJOR_OPTIONS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,4 +77,4 @@ def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config
     STATE.forward_started()
     name = current_layer() or layer or layer_id()
     return Context(mode=cfg.mode, tier_option=cfg.tier, layer=name, source=source,
-                   policy=effective_config(cfg.policy))
+                   policy=effective_config(cfg.policy), kv_major=cfg.kv_major)

@@ -124,24 +124,28 @@ def _kernel_lse(lse: torch.Tensor, dead_rows: Optional[torch.Tensor]) -> torch.T
     return lse if dead_rows is None else lse.masked_fill(dead_rows[:, None, :], float("inf"))
 
 
-def _run_kernel(t: BackwardTensors, problem: Problem) -> Grads:
+def _run_kernel(t: BackwardTensors, problem: Problem, kv_major_option: str = "auto") -> Grads:
     """The kernel tier; its KV-major launch is the Gluon kernel or the tl one, chosen per call
-    (``triton_bwd.kv_major_kernel``) and counted (``stats()["kv_major"]``)."""
+    (``triton_bwd.kv_major_kernel``; always tl under the recorded option ``kv_major="tl"``) and counted
+    (``stats()["kv_major"]``)."""
     triton_bwd = _triton_bwd()
     extra = {} if problem.sink is None else {"sink": problem.sink}  # the LSE includes the sink: never drop it
-    kv_major, why = triton_bwd.kv_major_kernel(t.q, t.k, t.v, t.do, **problem.flags)
+    if kv_major_option == "tl":
+        kv_major, why = "tl", "kv_major=tl (GPROJ_KV_MAJOR / enable option)"
+    else:
+        kv_major, why = triton_bwd.kv_major_kernel(t.q, t.k, t.v, t.do, **problem.flags)
     telemetry.record_kv_major(kv_major, why)
     return triton_bwd.gproj_backward(t.do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale,
                                      max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
                                      correct=True, kv_major=kv_major, **problem.flags, **extra)
 
 
-def _run_fp32(t: BackwardTensors, problem: Problem) -> Grads:
+def _run_fp32(t: BackwardTensors, problem: Problem, kv_major_option: str = "auto") -> Grads:
     """The FP32 tier: the kernel on fp32 copies where ``kernel_reason(fp32=True)`` allows (no S×S scores,
     fp32-level products), else attention recomputed in chunked FP32 GEMMs (``backends.fp32_tier``)."""
     if kernel_reason(t, problem, fp32=True) is None:
         return _run_kernel(BackwardTensors(*(x.float() for x in (t.do, t.q, t.k, t.v, t.o)), t.lse, t.dead_rows),
-                           problem)
+                           problem, kv_major_option)
     from .backends.fp32_tier import fp32_backward
     extra = {}
     if problem.sink is not None:
@@ -196,12 +200,12 @@ def run_backward(record: CallRecord, t: BackwardTensors, original: Optional[Call
         reason = stand_in_reason or reason
         grads = original()
     elif tier == "gproj":
-        grads = _run_kernel(t, record.problem)
+        grads = _run_kernel(t, record.problem, record.context.kv_major)
     else:
-        grads = _run_fp32(t, record.problem)
+        grads = _run_fp32(t, record.problem, record.context.kv_major)
     grads = _cast(tuple(grads), t)
     # the shape class only keys the once-per-class log of a reason: built only when there is one
     telemetry.record_backward(tier, reason, telemetry.shape_class(record.context.source, t.q, t.k) if reason else ())
     if record.context.mode in policy.MODES:
-        policy.after_backward(record, tier=tier, grads=grads, fp32_grads=lambda: _run_fp32(t, record.problem))
+        policy.after_backward(record, tier=tier, grads=grads, fp32_grads=lambda: _run_fp32(t, record.problem, record.context.kv_major))
     return grads

@@ -106,9 +106,9 @@ def test_router_fp32_tier_takes_the_kernel_form(causal, monkeypatch):
     calls = {"kernel": 0, "chunked": 0}
     real_kernel, real_chunked = router._run_kernel, fp32_tier.fp32_backward
 
-    def kernel(t, problem):
+    def kernel(t, problem, kv_major_option="auto"):
         calls["kernel"] += t.q.dtype == torch.float32
-        return real_kernel(t, problem)
+        return real_kernel(t, problem, kv_major_option)
 
     def chunked(*a, **kw):
         calls["chunked"] += 1
@@ -161,7 +161,7 @@ def test_gpu_router_fp32_tier_takes_the_kernel_form(monkeypatch):
     inp = get_case("key_offset_128").build(dtype=torch.bfloat16, device="cuda", quick=False)
     calls = []
     real_kernel = router._run_kernel
-    monkeypatch.setattr(router, "_run_kernel", lambda t, p: calls.append(t.q.dtype) or real_kernel(t, p))
+    monkeypatch.setattr(router, "_run_kernel", lambda t, p, o="auto": calls.append(t.q.dtype) or real_kernel(t, p, o))
     ref = reference_backward(inp.q, inp.k, inp.v, inp.do, causal=True)
     with gproj_patch.enable(mode="fp32"):
         gproj_patch.reset_stats()

@@ -34,7 +34,7 @@ def cached_cpu(monkeypatch):
     ran = []
 
     def stub(tier):
-        def run(t, problem):
+        def run(t, problem, kv_major_option="auto"):
             ran.append((tier, t.q.dtype, bool(problem.causal)))
             return torch.zeros_like(t.q), torch.zeros_like(t.k), torch.zeros_like(t.v)
         return run
@@ -114,8 +114,8 @@ def test_cpu_answers_are_not_cached_by_default(monkeypatch):
     """On CPU the predicate reads the interpreter's environment at each call: never cached, so turning the
     interpreter off between calls takes effect at once."""
     ran = []
-    monkeypatch.setattr(router, "_run_kernel", lambda t, p: ran.append("gproj") or (t.q * 0, t.k * 0, t.v * 0))
-    monkeypatch.setattr(router, "_run_fp32", lambda t, p: ran.append("fp32") or (t.q * 0, t.k * 0, t.v * 0))
+    monkeypatch.setattr(router, "_run_kernel", lambda t, p, o="auto": ran.append("gproj") or (t.q * 0, t.k * 0, t.v * 0))
+    monkeypatch.setattr(router, "_run_fp32", lambda t, p, o="auto": ran.append("fp32") or (t.q * 0, t.k * 0, t.v * 0))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gproj_patch.enable(mode="gproj", targets=("sdpa",))
     _call(torch.float16)
@@ -163,7 +163,7 @@ def test_problem_shared_per_flags_and_fresh_with_a_mask():
 def test_lse_in_any_layout_reaches_the_tiers_as_b_h_s(monkeypatch):
     """The router skips normalize_lse only for an LSE already (B, H, Sq) fp32; other layouts are normalized."""
     seen = []
-    monkeypatch.setattr(router, "_run_fp32", lambda t, p: seen.append(t.lse) or (t.q * 0, t.k * 0, t.v * 0))
+    monkeypatch.setattr(router, "_run_fp32", lambda t, p, o="auto": seen.append(t.lse) or (t.q * 0, t.k * 0, t.v * 0))
     q = torch.randn(2, 3, 5, 8)
     lse = torch.randn(2, 3, 5)
     record = router.CallRecord(sdpa_op.problem_for(q, q, None, False, None),
@@ -178,7 +178,7 @@ def test_lse_in_any_layout_reaches_the_tiers_as_b_h_s(monkeypatch):
 def test_create_graph_backward_keeps_the_once_differentiable_guard(monkeypatch):
     """The SDPA Function's backward skips once_differentiable's wrapper only where it changes nothing (grad mode
     off); under create_graph the gradients still carry its double-backward error, and the values are equal."""
-    monkeypatch.setattr(router, "_run_fp32", lambda t, p: (t.q * 0 + 1, t.k * 0 + 2, t.v * 0 + 3))
+    monkeypatch.setattr(router, "_run_fp32", lambda t, p, o="auto": (t.q * 0 + 1, t.k * 0 + 2, t.v * 0 + 3))
     gproj_patch.enable(mode="fp32", targets=("sdpa",))
     q, k, v = (torch.randn(1, 2, 8, 16).bfloat16().requires_grad_() for _ in range(3))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -162,3 +162,39 @@ def test_unavailable_gluon_sends_every_call_to_tl(monkeypatch, interpreter):
     o, lse = reference_forward(q, k, v)
     with pytest.raises(ValueError, match="triton 9.9.0"):
         gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="gluon")
+
+
+def _sdpa_fp16_causal(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(1, 2, 24, 16, generator=g).to(torch.float16) for _ in range(4))
+    return q, k + 8.0, v, do
+
+
+def test_kv_major_option_tl_is_recorded_at_forward_and_counted(interpreter, monkeypatch):
+    """``kv_major="tl"`` (GPROJ_KV_MAJOR) keeps every call on the tl KV-major launch; the option is part of the
+    record made at forward time, so a backward that runs after the option changed still follows its forward."""
+    q, k, v, do = _sdpa_fp16_causal()
+    gproj_patch.enable(mode="gproj", kv_major="tl")
+    try:
+        gproj_patch.reset_stats()
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+    finally:
+        gproj_patch.disable()
+    monkeypatch.setenv("GPROJ_KV_MAJOR", "auto")
+    with gproj_patch.enable(mode="gproj"):
+        y.backward(do)  # the forward's record says tl
+        s = gproj_patch.stats()
+    assert s["kv_major"] == {"tl": 1} and any("kv_major=tl" in r for r in s["kv_major_reasons"]), s
+    ref = reference_backward(q, k, v, do, causal=True)
+    err = max(float((x.grad.double() - r).norm() / r.norm()) for x, r in zip((qq, kk, vv), ref))
+    assert err < 5e-3
+
+
+def test_kv_major_option_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="kv_major must be one of auto, tl"):
+        gproj_patch.enable(kv_major="gluon-always")
+    monkeypatch.setenv("GPROJ_KV_MAJOR", "cudnn")
+    with pytest.raises(ValueError, match="GPROJ_KV_MAJOR must be one of auto, tl"):
+        gproj_patch.enable()
+    assert not gproj_patch.is_enabled()
