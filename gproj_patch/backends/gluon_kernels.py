@@ -5,9 +5,10 @@ writes D, the base-2 LSE and λ of every query row to fp32 (B·H, Sq) scratch).
 ``_dkdv_kernel``: one CTA per (block of ``2 × KEYS_PER_WG`` keys, KV head, batch), three partitions:
 
 * a **producer** warp: loads this CTA's K and V tiles once, then streams the (query head of the GQA group,
-  query tile) pairs the keys see as Q and dO tiles through TMA into a ``NUM_STAGES``-deep ring of shared-memory
-  slots. Slot s is "ready" (an mbarrier with the TMA byte count) when both tiles have landed and "empty" (an
-  mbarrier of count ``CONSUMERS``) once both consumers are done with it.
+  query tile) pairs the keys see as Q and dO tiles, and the tile's rows of the LSE2, D and λ scratch (1-D boxes,
+  16-byte aligned: Sq a multiple of 4), through TMA into a ``NUM_STAGES``-deep ring of shared-memory slots.
+  Slot s is "ready" (an mbarrier with the TMA byte count) when all five have landed and "empty" (an mbarrier of
+  count ``CONSUMERS``) once both consumers are done with it.
 * two **consumer** warpgroups (the default partition and one worker), each owning ``KEYS_PER_WG`` keys and
   their dk, dv accumulators (fp32, registers). Per tile, transposed: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma, both
   operands in shared memory), P = exp2(Sᵀ·α·log2 e − lse2), dv += low(Pᵀ)·dO, and the "fused" dk += low(Pᵀ∘(dPᵀ −
@@ -17,10 +18,13 @@ writes D, the base-2 LSE and λ of every query row to fp32 (B·H, Sq) scratch).
   the other's products on the tensor cores.
 
 Masking: causal is "key j visible from query i iff j ≤ i + shift" (shift = 0 top-left, Sk − Sq bottom-right);
-only the query tiles that cross a warpgroup's diagonal take the ``where``, as a runtime branch around
-elementwise code (never around a wgmma). Rows past Sq read lse2 = +inf (P exactly 0; their Q, dO rows are the
-TMA's zero fill); keys past Sk only touch their own dk/dv rows, which are never stored. No atomics: dk, dv of a
-key block are reduced over the whole GQA group inside one CTA, so results are bitwise deterministic.
+only the query tiles that cross a warpgroup's diagonal, and a head's last tile when Sq is not a multiple of the
+tile, take the ``where``, as a runtime branch around elementwise code (never around a wgmma). Rows past Sq
+(their Q, dO rows the TMA's zero fill; their scratch the next head's rows, or zeros at the end) get P = 0, so
+dPᵀ = 0 there and they add nothing — unless that next head's D or λ is not finite: then 0·∞ puts NaN into this
+head's dk (the tl kernel keeps it in its own head; benchmarks/NOTES_gluon.md). Keys past Sk only touch their
+own dk/dv rows, which are never stored. No atomics: dk, dv of a key block are reduced over the whole GQA group
+inside one CTA, so results are bitwise deterministic.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
