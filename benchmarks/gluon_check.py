@@ -248,7 +248,7 @@ def time_shape(B, H, HKV, S, D, causal, sweep=False):
         res[f"tflops_std_{tag}"] = flops / (res[tag] * 1e-3) / 1e12
     for tag in ("gluon", "tl"):
         res[f"tflops_actual_{tag}"] = flops * GPROJ_PRODUCTS / STANDARD_PRODUCTS / (res[tag] * 1e-3) / 1e12
-    res["kernels"] = dict(gluon_bwd.LAST_KERNELS)
+    res["kernels"] = dict(triton_bwd.LAST_KERNELS)
     return res
 
 

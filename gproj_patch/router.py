@@ -126,14 +126,15 @@ def _kernel_lse(lse: torch.Tensor, dead_rows: Optional[torch.Tensor]) -> torch.T
 
 def _run_kernel(t: BackwardTensors, problem: Problem, kv_major_option: str = "auto") -> Grads:
     """The kernel tier; its KV-major launch is the Gluon kernel or the tl one, chosen per call
-    (``triton_bwd.kv_major_kernel``; always tl under the recorded option ``kv_major="tl"``) and counted
+    (``gluon_bwd.kv_major_kernel``; always tl under the recorded option ``kv_major="tl"``) and counted
     (``stats()["kv_major"]``)."""
     triton_bwd = _triton_bwd()
     extra = {} if problem.sink is None else {"sink": problem.sink}  # the LSE includes the sink: never drop it
     if kv_major_option == "tl":
         kv_major, why = "tl", "kv_major=tl (GPROJ_KV_MAJOR / enable option)"
     else:
-        kv_major, why = triton_bwd.kv_major_kernel(t.q, t.k, t.v, t.do, **problem.flags)
+        from .backends.gluon_bwd import kv_major_kernel
+        kv_major, why = kv_major_kernel(t.q, t.k, t.v, t.do, **problem.flags)
     telemetry.record_kv_major(kv_major, why)
     return triton_bwd.gproj_backward(t.do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale,
                                      max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,

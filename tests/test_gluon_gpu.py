@@ -130,7 +130,8 @@ def test_uncovered_cases_get_a_reason(name):
 def test_sq_not_multiple_of_4_runs_tl_and_is_correct():
     """Sq = 333: the Gluon kernel's TMA of the per-row scratch needs 16-byte aligned rows, so it says why not,
     ``gproj_backward`` picks the tl kernel on its own, and the gradients are still within the gauge target."""
-    from gproj_patch.backends.triton_bwd import gproj_backward, kv_major_kernel
+    from gproj_patch.backends.gluon_bwd import kv_major_kernel
+    from gproj_patch.backends.triton_bwd import gproj_backward
     g = torch.Generator(device="cuda").manual_seed(4)
     q, k, v, do = (torch.randn(1, 2, 333, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
     k = k + 128.0

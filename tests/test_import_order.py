@@ -262,3 +262,21 @@ def test_import_that_bypasses_the_watcher_fires_at_the_next_import(modules):
     finally:
         sys.meta_path.remove(front)
     assert seen == ["bypassed"] and not hook.pending
+
+
+@pytest.mark.parametrize("first", ["gproj_patch.backends.gluon_bwd", "gproj_patch.backends.triton_bwd",
+                                   "gproj_patch.router"])
+def test_backend_module_imported_before_torch_registers_the_op(first):
+    """Importing a backend module first — torch then comes in through it, and torch's after-import hook loads
+    ``backends/ops.py`` (and with it ``triton_bwd``) while that module is half initialized — must still register
+    ``torch.ops.gproj.attention_backward`` with no failed callback (a module-level gluon_bwd ↔ triton_bwd import
+    made the hook fail for ``gluon_bwd`` first)."""
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import {first}\nimport torch\nprint('OP', hasattr(torch.ops.gproj, 'attention_backward'))"
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("GPROJ_PATCH", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "OP True" in r.stdout and "failed" not in r.stderr, r.stdout + r.stderr

@@ -8,9 +8,9 @@ import torch
 
 import gproj_patch
 from gproj_patch.backends import gluon_bwd
-from gproj_patch.backends.gluon_bwd import kv_major_reason
+from gproj_patch.backends.gluon_bwd import kv_major_kernel, kv_major_reason
 from gproj_patch.backends.reference import reference_backward, reference_forward
-from gproj_patch.backends.triton_bwd import gproj_backward, kv_major_kernel
+from gproj_patch.backends.triton_bwd import gproj_backward
 
 
 def _qkv(sq=64, sk=64, d=128, dtype=torch.bfloat16, h=2, hkv=2):

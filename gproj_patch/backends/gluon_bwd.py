@@ -46,7 +46,7 @@ if UNAVAILABLE_REASON is None:
 
 #: head dims the kernel is instantiated for
 GLUON_HEAD_DIMS = (64, 128)
-#: head dims where it is the default (``triton_bwd.kv_major_kernel``): faster than the tl KV-major kernel on the
+#: head dims where it is the default (``kv_major_kernel``): faster than the tl KV-major kernel on the
 #: H200 at every shape timed (BENCHMARKS.md run 23: D=128 ×0.82–0.91 of the tl launch; D=64 ×1.07–1.13, slower)
 FASTER_HEAD_DIMS = (128,)
 #: the one compute capability the kernel is written for (TMA, wgmma, setmaxnreg: sm_90a)
@@ -63,9 +63,11 @@ BLOCK_N = 128
 #: warpgroups and the producer's, rounded up to a warpgroup)
 NUM_WARPS = 4
 TOTAL_WARPS = 12
-#: registers per thread at launch: 12 warps × 32 threads × 168 ≤ 65536, an SM's register file; the partitions
-#: then re-balance (setmaxnreg) to 240 for each consumer and 24 for the producer
-MAXNREG = 168
+#: an SM's register file (32-bit registers)
+SM_REGISTERS = 65536
+#: registers per thread at launch: the largest multiple of 8 with TOTAL_WARPS × 32 threads × it ≤ SM_REGISTERS
+#: (168); the partitions then re-balance (setmaxnreg) to 240 for each consumer and 24 for the producer
+MAXNREG = SM_REGISTERS // (TOTAL_WARPS * 32) // 8 * 8
 #: shared memory a CTA may use on sm_90 (227 KB)
 SMEM_LIMIT_BYTES = 227 * 1024
 
@@ -79,9 +81,6 @@ class KernelConfig:
 
 #: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``benchmarks/gluon_check.py --compile-only``)
 CONFIGS = {64: KernelConfig(64, 2), 128: KernelConfig(64, 2)}
-
-#: registers / spills of the last launch (for the benchmark's notes)
-LAST_KERNELS: dict = {}
 
 
 def _tma_reason(name: str, x: torch.Tensor) -> Optional[str]:
@@ -101,7 +100,8 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
                     window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, varlen: bool = False,
                     correct: bool = True, dk_form: Optional[str] = None) -> Optional[str]:
     """None when the Gluon KV-major kernel runs this call; otherwise a short reason (the ``tl`` kernel runs it).
-    Causal masking is not an argument: both alignments are covered."""
+    For inputs ``triton_bwd.kernel_unsupported_reason`` accepted (4-D q, k, v of one dtype and one head dim:
+    not checked again here). Causal masking is not an argument: both alignments are covered."""
     if UNAVAILABLE_REASON is not None:
         return UNAVAILABLE_REASON
     if not correct:
@@ -116,13 +116,9 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
         return "varlen"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype={str(q.dtype).replace('torch.', '')}"
-    if k.dtype != q.dtype or v.dtype != q.dtype or (do is not None and do.dtype != q.dtype):
+    if do is not None and do.dtype != q.dtype:
         return "mixed dtypes"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "not 4-D"
     d = q.shape[-1]
-    if k.shape[-1] != d or v.shape[-1] != d:
-        return "head dims differ"
     if d not in GLUON_HEAD_DIMS:
         return f"head_dim={d} (gluon: {GLUON_HEAD_DIMS})"
     if q.shape[2] % SCRATCH_ROW_ALIGN != 0:
@@ -143,16 +139,17 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
 
 def kv_major_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
                     window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                    correct: bool = True, dk_form: Optional[str] = None, **_ignored) -> Tuple[str, Optional[str]]:
+                    correct: bool = True, dk_form: Optional[str] = None, faster_only: bool = True,
+                    **_ignored) -> Tuple[str, Optional[str]]:
     """(KV-major kernel, why not the Gluon one) for a call the kernel tier takes: ("gluon", None) where
-    ``kv_major_reason`` allows it and the head dim is one where it measured faster than the tl kernel
-    (``FASTER_HEAD_DIMS``), else ("tl", why). The router counts the answer in ``stats()``."""
+    ``kv_major_reason`` allows it and (with ``faster_only``) the head dim is one where it measured faster than the
+    tl kernel (``FASTER_HEAD_DIMS``), else ("tl", why). The router counts the answer in ``stats()``."""
     if do.dtype != q.dtype:
         do = None  # gproj_backward casts it to q's dtype first
     reason = kv_major_reason(q, k, v, do=do, window=window, softcap=softcap,
                              varlen=cu_seqlens_q is not None or cu_seqlens_k is not None, correct=correct,
                              dk_form=dk_form)
-    if reason is None and q.shape[-1] not in FASTER_HEAD_DIMS:
+    if reason is None and faster_only and q.shape[-1] not in FASTER_HEAD_DIMS:
         reason = f"head_dim={q.shape[-1]}: the tl KV-major kernel is faster there"
     return ("gluon", None) if reason is None else ("tl", reason)
 
@@ -212,15 +209,12 @@ def dkdv_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tens
 
 def launch_dkdv(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor,
                 config: Optional[KernelConfig] = None):
-    """The KV-major launch of ``job`` (``dkdv_arguments``): dk, dv. Returns the compiled kernel."""
+    """The KV-major launch of ``job`` (``dkdv_arguments``): dk, dv. Returns the compiled kernel (its registers and
+    spills land in ``triton_bwd.LAST_KERNELS["dkdv"]``)."""
     B, HKV, SK = job.k.shape[0], job.k.shape[1], job.k.shape[2]
     cfg = config or CONFIGS[job.q.shape[-1]]
-    kern = _gk._dkdv_kernel[(triton.cdiv(SK, BLOCK_N), HKV, B)](
+    return _gk._dkdv_kernel[(triton.cdiv(SK, BLOCK_N), HKV, B)](
         **dkdv_arguments(job, delta, lse2, lam, cfg), num_warps=NUM_WARPS, maxnreg=MAXNREG)
-    LAST_KERNELS.clear()
-    LAST_KERNELS["dkdv"] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None),
-                                config=cfg)
-    return kern
 
 
 def gluon_supported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

@@ -87,7 +87,6 @@ from typing import Optional, Tuple
 import torch
 
 from .compat import triton_interpreter_index_patch
-from .gluon_bwd import kv_major_kernel, kv_major_reason
 from .spec import (MaskSpec, default_scale, normalize_lse, sink_unsupported_reason, validate_cu_seqlens,
                    validate_qkv)
 
@@ -261,7 +260,7 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     ``sink`` (Hq,): the learnable sink logits the forward's LSE includes; the result is then (dq, dk, dv,
     dsink), dsink shaped and typed like ``sink`` (module docstring).
     ``kv_major`` picks the KV-major launch: "gluon" (the warp-specialized sm_90a kernel, ``gluon_bwd``), "tl", or
-    None: "gluon" where ``gluon_bwd.kv_major_reason`` allows, else "tl" (``kv_major_kernel``).
+    None: "gluon" where ``gluon_bwd.kv_major_kernel`` chooses it, else "tl".
     Raises ValueError when ``kernel_unsupported_reason`` is not None, or "gluon" is asked for and not possible.
     """
     mask = MaskSpec(causal=bool(causal), causal_align=causal_align, window=tuple(int(w) for w in window),
@@ -350,19 +349,20 @@ def _kv_major(asked: Optional[str], q, k, v, do, mask: MaskSpec, cu_seqlens_q, c
               dk_form: Optional[str]) -> str:
     """The KV-major kernel of this call: "tl" when asked; "gluon" when asked and ``kv_major_reason`` allows it
     (ValueError otherwise; no speed preference: benchmarks and tests ask for it at every covered head dim); the
-    choice of ``kv_major_kernel`` when None."""
+    choice of ``gluon_bwd.kv_major_kernel`` when None."""
     if asked not in KV_MAJOR_KERNELS + (None,):
         raise ValueError(f"kv_major must be one of {KV_MAJOR_KERNELS} or None, got {asked!r}")
     if asked == "tl":
         return "tl"
-    opts = dict(window=mask.window, softcap=mask.softcap, correct=correct, dk_form=dk_form)
-    if asked == "gluon":
-        reason = kv_major_reason(q, k, v, do=do, varlen=cu_seqlens_q is not None or cu_seqlens_k is not None,
-                                 **opts)
-        if reason is not None:
-            raise ValueError(f"kv_major='gluon' cannot run these inputs: {reason}")
-        return "gluon"
-    return kv_major_kernel(q, k, v, do, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **opts)[0]
+    # imported here, not at module level: gluon_bwd imports torch, whose import hook may load this module
+    # (backends/ops.py) while gluon_bwd is still initializing
+    from .gluon_bwd import kv_major_kernel
+    name, reason = kv_major_kernel(q, k, v, do, window=mask.window, softcap=mask.softcap, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k, correct=correct, dk_form=dk_form,
+                                   faster_only=asked is None)
+    if asked == "gluon" and reason is not None:
+        raise ValueError(f"kv_major='gluon' cannot run these inputs: {reason}")
+    return name
 
 
 def _launch(km, interpret: bool, job) -> torch.Tensor:
