@@ -33,8 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 #: keys a consumer warpgroup owns (the wgmma M of one warpgroup)
 KEYS_PER_WG = gl.constexpr(64)
-#: consumer warpgroups per CTA (default partition + one worker)
+#: consumer warpgroups per CTA (default partition + one worker), and the warps of one (a warpgroup)
 CONSUMERS = gl.constexpr(2)
+CONSUMER_WARPS = gl.constexpr(4)
 #: warps and registers per thread of the producer partition (TMA issue only)
 PRODUCER_WARPS = gl.constexpr(1)
 PRODUCER_REGS = gl.constexpr(24)
@@ -90,9 +91,8 @@ def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty,
     BLOCK_M: gl.constexpr = q_s.shape[1]
     HEAD_DIM: gl.constexpr = q_s.shape[2]
     dtype: gl.constexpr = q_s.dtype
-    WARPS: gl.constexpr = 4
-    st_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, BLOCK_M, WARPS)
-    acc_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, HEAD_DIM, WARPS)
+    st_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, BLOCK_M, CONSUMER_WARPS)
+    acc_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, HEAD_DIM, CONSUMER_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # per query row of an Sᵀ tile
 
@@ -163,7 +163,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_des
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(k_desc.block_type.shape[2] == KEYS_PER_WG)
-    gl.static_assert(num_warps == 4)
+    gl.static_assert(num_warps == CONSUMER_WARPS)  # the default partition is one consumer warpgroup
 
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)
@@ -204,7 +204,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_des
                      SQ, SK, shift, scale, scale_log2, CAUSAL, 1)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_desc, k_s, v_s, q_s, do_s,
                      lse2_s, delta_s, lam_s, kv_bar, ready, empty, b, hk, n0, lo, m_tiles, n_tiles, H, GROUP, SQ)),
-    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
     mbarrier.invalidate(kv_bar.index(0))
     for i in gl.static_range(NUM_STAGES):
