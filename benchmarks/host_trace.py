@@ -19,6 +19,7 @@ which checks the script, not the H200's numbers.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -31,17 +32,15 @@ sys.path.insert(0, ROOT)
 
 import gproj_patch  # noqa: E402
 
+_spec = importlib.util.spec_from_file_location("host_overhead", os.path.join(ROOT, "benchmarks", "host_overhead.py"))
+_ho = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_ho)
+_arm = _ho._arm  # the same arms as host_overhead.py (unpatched / enable(mode, sample_every=1000))
+
 
 def _sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def _arm(mode):
-    gproj_patch.disable()
-    gproj_patch.reset_stats()
-    if mode != "unpatched":
-        gproj_patch.enable(mode=mode, sample_every=1000)
 
 
 def measure(mode, shape, device, n, stack=False):
