@@ -64,7 +64,7 @@ def make_case(name, device="cuda", dtype=torch.bfloat16, seed=0):
         pass
     elif name == "sink":  # attention sink (p_sink ~ 0.04..0.9), no offset
         sink = 0.75
-    elif name == "sink64":  # sink with p_sink ~ 1 - 1e-5, plus a 64σ key offset (the sink_offset_64 case of gproj_patch/cases.py)
+    elif name == "sink64":  # sink with p_sink ~ 1 - 1e-5, plus a 64σ key offset (the sink_offset_64 case of gproj_patch/audit/cases.py)
         offset, sink = 64.0, 1.5
     elif name == "sharp_p1":  # rows with P == 1 (other keys' P <= ~1e-18), plus an offset: beyond fp32
         offset, sink, gauge = 32.0, 3.0, False

@@ -28,7 +28,7 @@ from gproj_patch.backends import triton_bwd  # noqa: E402
 from gproj_patch.backends.fp32_tier import fp32_backward  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
-from gproj_patch.cases import get_case  # noqa: E402
+from gproj_patch.audit.cases import get_case  # noqa: E402
 
 CASES = ["key_offset_128", "key_offset_512", "sink_offset_64", "repeated_max", "causal_bottom_right", "window",
          "odd_lengths", "gqa", "varlen", "witness"]

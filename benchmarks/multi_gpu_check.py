@@ -164,7 +164,7 @@ def part_dp(args):
 
 # ------------------------------------------------------------------------------------------------- part cp --
 def _case_inputs(name, device, small):
-    from gproj_patch.cases import get_case
+    from gproj_patch.audit.cases import get_case
     inp = get_case(name).build(seed=0, dtype=torch.float64, device="cpu", quick=small)
     low = tuple(t.to(torch.bfloat16) for t in (inp.q, inp.k, inp.v, inp.do))
     # the oracle sees the same BF16-rounded inputs (as the audit): only the backward's own error is measured

@@ -1,6 +1,6 @@
 """Command line: ``python -m gproj_patch audit [--quick] [--json PATH] [--plot PATH.png] ...``.
 
-Subcommands: ``audit`` (see ``gproj_patch.audit`` for the options, metrics and the JSON fields).
+Subcommands: ``audit`` (see ``gproj_patch.audit.cli`` for the options, metrics and the JSON fields).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from . import audit
+    from .audit import cli as audit
 
     parser = argparse.ArgumentParser(prog="python -m gproj_patch",
                                      description="gproj_patch: correct BF16/FP16 attention gradients (GProj)")

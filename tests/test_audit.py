@@ -1,4 +1,4 @@
-"""The audit CLI (python -m gproj_patch audit) and the named suite (gproj_patch.cases)."""
+"""The audit CLI (python -m gproj_patch audit) and the named suite (gproj_patch.audit.cases)."""
 import json
 import os
 import subprocess
@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from gproj_patch import audit
+from gproj_patch.audit import cli as audit
 from gproj_patch.__main__ import main as cli_main
-from gproj_patch.cases import CASES, get_case, select_cases
+from gproj_patch.audit.cases import CASES, get_case, select_cases
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gproj_patch.audit import torch_threads
+from gproj_patch.audit.run import torch_threads
 from gproj_patch.backends.emulation import emulated_backward, emulated_forward
 from gproj_patch.backends.fp32_tier import fp32_backward, fp32_forward
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from gproj_patch.audit import torch_threads
+from gproj_patch.audit.run import torch_threads
 from gproj_patch.backends.emulation import emulated_backward, emulated_forward
 from gproj_patch.backends.reference import reference_backward, reference_forward
-from gproj_patch.cases import get_case, witness_parameters
+from gproj_patch.audit.cases import get_case, witness_parameters
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -13,7 +13,7 @@ import torch
 
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.cases import get_case
+from gproj_patch.audit.cases import get_case
 from gproj_patch.integrations import flex as hook
 from gproj_patch.ops import flex as flex_op
 from gproj_patch.ops import flex_masks
@@ -481,7 +481,7 @@ def test_hf_score_mod_closure_recognised():
 
 # ---- the audit's backends ---------------------------------------------------------------------------------
 def test_audit_backends_on_cpu():
-    from gproj_patch.cases import get_case as case_named
+    from gproj_patch.audit.cases import get_case as case_named
     backends = {name: (run, why) for name, run, why in hook.audit_backends(torch.device("cpu"))}
     inp = case_named("causal_bottom_right").build(seed=0, dtype=torch.bfloat16, quick=True)
     run, why = backends["flex-gproj"]

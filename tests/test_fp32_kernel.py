@@ -19,7 +19,7 @@ from gproj_patch import router  # noqa: E402
 from gproj_patch.backends import fp32_tier, triton_bwd  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward, kernel_unsupported_reason  # noqa: E402
-from gproj_patch.cases import get_case  # noqa: E402
+from gproj_patch.audit.cases import get_case  # noqa: E402
 from gproj_patch.record import Problem  # noqa: E402
 
 #: relative error bound against fp64 (the chunked FP32 tier is held to 1e-3 in tests/test_fp32_tier.py)

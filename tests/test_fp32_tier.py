@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from gproj_patch.audit import torch_threads
+from gproj_patch.audit.run import torch_threads
 from gproj_patch.backends.fp32_tier import dropout_keep, fp32_backward, fp32_forward
 from gproj_patch.backends.reference import reference_backward, reference_forward
-from gproj_patch.cases import CASES, get_case
+from gproj_patch.audit.cases import CASES, get_case
 
 
 @pytest.fixture(autouse=True, scope="module")

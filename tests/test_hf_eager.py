@@ -22,7 +22,7 @@ import torch
 
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.cases import witness_parameters
+from gproj_patch.audit.cases import witness_parameters
 from gproj_patch.integrations import hf_eager
 from tests.test_memory import _flat, live_tensor_bytes  # noqa: F401  (live_tensor_bytes: used by _flat)
 

@@ -26,7 +26,7 @@ from gproj_patch.backends.emulation import emulated_backward, emulated_forward
 from gproj_patch.backends.fp32_tier import fp32_backward, fp32_forward
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.spec import SINK_SOFTCAP_REASON
-from gproj_patch.cases import witness_parameters
+from gproj_patch.audit.cases import witness_parameters
 
 #: sink logit minus log(Sk) per head (cycled): P_sink ≈ 0, ~1/2, ~0.95, ~1 on rows the offset does not move
 SINK_LEVELS = (-20.0, 0.0, 3.0, 8.0)

@@ -180,7 +180,7 @@ def uninstall() -> None:
     _saved = None
 
 
-# ---- the audit's flex backends (``audit.available_backends`` adds what ``audit_backends`` returns) -----------
+# ---- the audit's flex backends (``audit.backends.available_backends`` adds what ``audit_backends`` returns) --
 def _case_mask_mod(mask: dict, sq: int, sk: int):
     """The audit case's flags as a mask_mod (None: no mask)."""
     causal, left, right = bool(mask.get("causal")), *tuple(mask.get("window", (-1, -1)))

@@ -2,7 +2,7 @@
 
 API::
 
-    from gproj_patch.cases import CASES, get_case, select_cases
+    from gproj_patch.audit.cases import CASES, get_case, select_cases
     case = get_case("key_offset_128")
     inp = case.build(seed=0, dtype=torch.bfloat16, device="cuda", quick=False)
     inp.q, inp.k, inp.v, inp.do          # (B, Hq, Sq, D), (B, Hkv, Sk, D) x2, like q; in `dtype` on `device`

@@ -1,6 +1,6 @@
 """``python -m gproj_patch audit``: attention-gradient errors of every backend on the named synthetic suite.
 
-For each case of ``gproj_patch.cases`` and each backend available on the device, the audit computes (dq, dk,
+For each case of ``gproj_patch.audit.cases`` and each backend available on the device, the audit computes (dq, dk,
 dv) for the loss ⟨dO, attention(q, k, v)⟩ and compares them with the fp64 oracle (``reference_backward``).
 
 Backends. Always: ``emulated-uncorrected`` (tiled model of an FA-style low-precision backward), ``emulated-gproj``
@@ -70,11 +70,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import __version__
-from .backends.reference import reference_backward
-from .audit_backends import Backend, NotApplicable, _fmt, _Saved, available_backends  # noqa: F401  (Backend: API)
-from .audit_backends import _emulated  # noqa: F401  (tests build backends from it)
-from .audit_report import render_checks, render_table, write_plot
+from .. import __version__
+from ..backends.reference import reference_backward
+from .backends import Backend, NotApplicable, _fmt, _Saved, available_backends  # noqa: F401  (Backend: API)
+from .backends import _emulated  # noqa: F401  (tests build backends from it)
+from .report import render_checks, render_table, write_plot
 from .cases import CaseInputs, select_cases
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -161,7 +161,7 @@ def run_case(case, backends: List[Backend], dtype, device, quick: bool, seed: in
 
 def checks(cases: List[dict], dtype: str = "bf16") -> dict:
     """The done criteria (module docstring) evaluated on the results of ``run_case``, for ``dtype``."""
-    from .backends.spec import unit_roundoff
+    from ..backends.spec import unit_roundoff
 
     def get(case: dict, backend: str):
         r = case["results"].get(backend, {})

@@ -12,8 +12,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .backends.emulation import emulated_backward, emulated_forward
-from .backends.fp32_tier import fp32_backward
+from ..backends.emulation import emulated_backward, emulated_forward
+from ..backends.fp32_tier import fp32_backward
 from .cases import CaseInputs
 
 Grads = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -133,13 +133,13 @@ def _flash(variant: str):
 
 
 def _triton_reason(inp: CaseInputs) -> Optional[str]:
-    from .backends import triton_bwd
+    from ..backends import triton_bwd
     return triton_bwd.kernel_unsupported_reason(inp.q, inp.k, inp.v, **inp.mask)
 
 
 def _triton(correct: bool):
     def run(inp: CaseInputs, k, saved: _Saved) -> Grads:
-        from .backends import triton_bwd
+        from ..backends import triton_bwd
         o, lse = saved.get(inp, k)
         return triton_bwd.gproj_backward(inp.do, inp.q, k, inp.v, o.to(inp.q.dtype), lse, correct=correct,
                                          **inp.mask)
@@ -168,11 +168,11 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[B
             skipped[variant] = f"{module} not importable ({type(e).__name__})"
             continue
         backends.append(Backend(variant, _flash(variant), _flash_reason))
-    from .audit_eager import eager_reason, eager_run  # HF's eager arithmetic, unpatched and through the hook
+    from .eager import eager_reason, eager_run  # HF's eager arithmetic, unpatched and through the hook
     backends += [Backend("hf-eager-uncorrected", eager_run(False), eager_reason),
                  Backend("hf-eager-gproj", eager_run(True), eager_reason)]
     try:  # FlexAttention: compiled flex's own backward (CUDA) and flex through the hook
-        from .integrations import flex as flex_hook
+        from ..integrations import flex as flex_hook
         for name, run, reason in flex_hook.audit_backends(device):
             backends.append(Backend(name, run, reason))
     except Exception as e:  # noqa: BLE001 - a torch without flex_attention: say why
@@ -184,7 +184,7 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[B
         skipped["triton"] = "Triton's CPU interpreter is exact for fp16 only"
     else:
         try:
-            from .backends import triton_bwd  # noqa: F401
+            from ..backends import triton_bwd  # noqa: F401
             backends.append(Backend("triton-uncorrected", _triton(False), _triton_reason))
             backends.append(Backend("triton-gproj", _triton(True), _triton_reason))
         except Exception as e:
