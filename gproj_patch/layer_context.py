@@ -11,13 +11,30 @@ import contextlib
 import contextvars
 from typing import Iterator, Optional
 
+import torch
+
 from .state import STATE
 
 _current: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("gproj_layer", default=None)
 
 
 def current_layer() -> Optional[str]:
+    """The name of the open ``layer_scope`` (eager code), else of the tracked module being traced by
+    ``torch.compile`` (``enter_traced_layer``), else None."""
+    if torch.compiler.is_compiling():
+        return STATE.traced_layers[-1] if STATE.traced_layers else None
     return _current.get()
+
+
+def enter_traced_layer(name: str) -> None:
+    """``layer_scope``'s counterpart while Dynamo traces: ``ContextVar.set`` is a graph break, a list is not.
+    The name becomes a constant of the compiled graph (the compiled ops receive it as an argument)."""
+    STATE.traced_layers.append(name)
+
+
+def exit_traced_layer() -> None:
+    if STATE.traced_layers:
+        STATE.traced_layers.pop()
 
 
 @contextlib.contextmanager

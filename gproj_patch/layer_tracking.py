@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .layer_context import layer_scope
+from .layer_context import enter_traced_layer, exit_traced_layer, layer_scope
 
 _ATTR = "_gproj_layer_tracking"
 
@@ -70,6 +70,9 @@ def track_layers(model: torch.nn.Module, predicate=None, prefix: str = "") -> La
         full = prefix + name
 
         def pre(mod, args, _full=full):
+            if torch.compiler.is_compiling():  # traced by torch.compile: no ContextVar (a graph break)
+                enter_traced_layer(_full)
+                return
             scope = layer_scope(_full)
             scope.__enter__()
             stack = getattr(local, "stack", None)
@@ -78,6 +81,9 @@ def track_layers(model: torch.nn.Module, predicate=None, prefix: str = "") -> La
             stack.append(scope)
 
         def post(mod, args, output):
+            if torch.compiler.is_compiling():
+                exit_traced_layer()
+                return
             stack = getattr(local, "stack", None)
             if stack:
                 stack.pop().__exit__(None, None, None)

@@ -23,6 +23,11 @@ from typing import Any, Dict, List, Optional
 class RuntimeState:
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        # layer names of the tracked modules whose forward is being traced by torch.compile (innermost last);
+        # pushed and popped by layer_tracking's hooks while Dynamo traces them, so always empty between traces.
+        # A plain list: Dynamo traces its append/pop (a ContextVar.set is a graph break) and reads the name as a
+        # constant of the graph. Kept by identity (reset() clears it in place).
+        self.traced_layers: List[str] = []
         self.reset()
 
     def reset(self) -> None:
@@ -51,6 +56,7 @@ class RuntimeState:
             self.detector_logged: set = set()
             # router.kernel_reason's answers per key (device type, dtypes, head dims, B·H): cleared with the rest
             self.kernel_reasons: Dict[tuple, Optional[str]] = {}
+            self.traced_layers.clear()
 
     # --- steps ------------------------------------------------------------------------------------------
     def step(self) -> int:

@@ -93,7 +93,10 @@ def scaled_dot_product_attention(*args, **kwargs):
         return sdpa_op.original_sdpa()(*args, **kwargs)
     if has_torch_function(relevant):
         return _dispatch_override(relevant, args, kwargs)
-    _reentry.count = getattr(_reentry, "count", 0) + 1
+    if not torch.compiler.is_compiling():
+        # counted for _dispatch_override only; under tracing a thread-local write would become a Dynamo guard
+        # that fails on the next call (a recompile per call)
+        _reentry.count = getattr(_reentry, "count", 0) + 1
     return sdpa_op.sdpa(*args, **kwargs)
 
 

@@ -27,7 +27,7 @@ from ..backends.compat import fused_sdpa_lse
 from ..backends.spec import LOW_PRECISION, default_scale
 from ..config import POLICY_MODES, Config
 from ..record import CallRecord, Problem, make_context
-from ..layer_context import backward_ran
+from ..layer_context import backward_ran, current_layer
 from ..router import BackwardTensors, graph_backward, run_backward
 from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 
@@ -208,7 +208,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
                     enable_gqa=enable_gqa)
     if compiling:
         from .sdpa_compiled import compiled_sdpa
-        return compiled_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, cfg=cfg, layer=layer)
+        return compiled_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, cfg=cfg,
+                             layer=current_layer() or layer)  # the traced module's name: a graph constant
     if k_heads_mismatch(query, key, enable_gqa):
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)  # the original raises its own error
