@@ -38,6 +38,9 @@ from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
 _spec = importlib.util.spec_from_file_location("device_check", os.path.join(ROOT, "benchmarks", "device_check.py"))
 dc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dc)
+_spec = importlib.util.spec_from_file_location("ptx_snapshot", os.path.join(ROOT, "benchmarks", "ptx_snapshot.py"))
+ps = sys.modules["ptx_snapshot"] = importlib.util.module_from_spec(_spec)  # registered: it defines dataclasses
+_spec.loader.exec_module(ps)
 
 LOG = []
 #: gauge-regime target of the suite (issue 3/11): dq, dk, dv within 0.5% of fp64
@@ -256,8 +259,6 @@ def compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2, 3)):
     """Registers, spills (bytes of stack a thread) and shared memory of the Gluon KV-major kernel compiled for
     sm_90a with Triton's own ptxas; runs without a GPU (the configs of ``gluon_bwd.CONFIGS`` come from it)."""
     import inspect
-    import subprocess
-    import tempfile
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -266,7 +267,6 @@ def compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2, 3)):
     from gproj_patch.backends.triton_launch import Launch
     fn = gluon_kernels._dkdv_kernel
     params = list(inspect.signature(fn.fn).parameters)
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows = []
     for D in head_dims:
         # CPU tensors shaped like a causal 2·4·1024·D call; the arguments are built as the launch builds them
@@ -288,15 +288,7 @@ def compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2, 3)):
                 except Exception as e:
                     rows.append(dict(D=D, block_m=bm, stages=st, error=f"{type(e).__name__}: {e}"[:200]))
                     continue
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
-                    tmp.write(k.asm["cubin"])
-                    tmp.flush()
-                    res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", tmp.name],
-                                         capture_output=True, text=True).stdout
-                usage = next((ln.strip() for ln in res.splitlines() if "REG:" in ln), "")
-                fields = dict(part.split(":") for part in usage.split() if ":" in part)
-                rows.append(dict(D=D, block_m=bm, stages=st, regs=int(fields.get("REG", -1)),
-                                 stack=int(fields.get("STACK", -1)), smem=k.metadata.shared))
+                rows.append(dict(D=D, block_m=bm, stages=st, **ps.cubin_resources(k), smem=k.metadata.shared))
     return rows
 
 
