@@ -1,23 +1,28 @@
-"""flash-attn forwards leave a record; the backward finds it through the LSE tensor both of them see.
+"""flash-attn forwards leave their call's record; the backward finds it through the LSE both of them see.
 
-flash-attn's autograd Functions save the LSE their forward op returned and hand that same tensor to the backward
-op. ``remember(lse, source, sink=...)`` (called by the wrapped forward) files the call's context — and the
-learnable sink the forward was given, if any — under the LSE's storage; ``record_for(lse, source)`` (called by
-the backward) reads it back as a ``ForwardRecord``. The sink matters: the LSE of a forward with a sink includes
-it, and a backward that does not pass the sink itself (FA4 before its sink backward, flash-attention #2706)
-must still correct towards the sink's row-sum target. An entry lives exactly as long as its LSE:
-a ``weakref.finalize`` drops it when the tensor is freed (after the backward, or with the graph), so nothing of a
-call outlives it. A backward whose forward was not seen (it ran before ``enable()``, or the forward op is not
-one the hook wraps) gets a context made at the backward, with that reason logged once.
+flash-attn's autograd Functions save the LSE their forward op returned and hand it to the backward op. The
+wrapped forward binds the call's arguments, makes the complete ``CallRecord`` now — ``Problem`` (scale, causal,
+window, softcap, varlen offsets, learnable sink) and ``Context`` (mode, options, the layer whose scope is open)
+— and files it under the LSE (``remember``); the backward reads it back (``record_for``) and runs exactly it.
 
-``FunctionProxy`` replaces a module-level function (FA4's ``_flash_attn_fwd`` / ``_flash_attn_bwd``) while
-forwarding every attribute read and write to it, so code that keeps state on the function object
-(FA4's ``compile_cache``) sees the original.
+Filed under the LSE's *storage*, not the tensor object. FA4 (4.0.0b36) returns ``(out, lse)`` from its
+Function and saves ``lse``, one of its own outputs; autograd saves an output as a new tensor object sharing its
+storage (unpacked as yet another one), so the object the forward returned dies as soon as the caller keeps only
+``out`` — a record tied to it died before the backward (issue 19). FA2 with ``return_attn_probs`` does the same.
+The storage survives: the saved tensor holds it until the backward has run (or the graph is freed), and torch
+keeps one Python object per storage while it lives. So an entry is keyed by (device, address of the LSE), holds a
+weak reference to that storage object, is found only when the backward's LSE lives in that very storage with the
+same shape, and is dropped by a ``weakref.finalize`` on the storage — after the backward, with a retained graph
+after its last backward, with a graph freed unused —, never by an entry filed later at the same address.
+
+A backward whose forward was not seen (it ran before ``enable()``, or through an op the hook does not wrap) gets
+a record made from its own arguments, with that reason logged once (``recorded=False``).
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -26,34 +31,109 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import telemetry
-from ..record import Context, make_context
+from ..record import CallRecord, Problem, make_context
 
+SINK_DTYPE = torch.float32  # the sink as the GProj tiers take it (exact for FA4's fp16/bf16/fp32 sinks)
+NO_RECORD_REASON = ("flash-attn: no forward record for this backward (forward ran before enable() or through an "
+                    "unwrapped op); options and layer taken at the backward")
 
 
 @dataclass(frozen=True, eq=False)
 class ForwardRecord:
-    """What a flash-attn forward leaves for its backward: the context, and the learnable sink it was given."""
-    context: Context
-    sink: Optional[torch.Tensor] = None  # detached (Hq,) sink logits the forward's LSE includes, or None
-    recorded: bool = True                # False: no forward was seen (context made at the backward, sink unknown)
+    """What a flash-attn forward leaves for its backward: the call's complete record."""
+    call: CallRecord
+    recorded: bool = True  # False: no forward was seen (made at the backward from its arguments; sink unknown)
+
+    @property
+    def context(self):
+        return self.call.context
+
+    @property
+    def sink(self) -> Optional[torch.Tensor]:
+        return self.call.problem.sink
+
+
+@dataclass(frozen=True, eq=False)
+class _Entry:
+    storage: "weakref.ref"     # the LSE's storage object (alive as long as any tensor holds the storage)
+    shape: Tuple[int, ...]
+    token: int                 # which filing this is: a finalizer drops only its own entry
+    record: ForwardRecord
 
 
 _lock = threading.Lock()
-_records: Dict[Tuple[str, int], Tuple["weakref.ref", ForwardRecord]] = {}
-NO_RECORD_REASON = ("flash-attn: no forward record for this backward (forward ran before enable() or through an "
-                    "unwrapped op); options and layer taken at the backward")
+_records: Dict[Tuple[str, int], _Entry] = {}
+_tokens = itertools.count()
+_when_empty: List[Callable[[], None]] = []  # run once no record is alive (the hook's deferred restores)
 
+
+# ---- the problem of a call, from flash-attn's argument names (the forward's, or an unrecorded backward's) ------
+
+def arg(b: dict, *names, default=None):
+    """The first of ``names`` that ``b`` holds and is not None (flash-attn spells some arguments two ways)."""
+    for n in names:
+        if n in b and b[n] is not None:
+            return b[n]
+    return default
+
+
+def problem_of(b: dict, sink: Optional[torch.Tensor]) -> Problem:
+    """The math of a flash-attn call from its named arguments (FA2/FA3/FA4 share the names): causal is
+    bottom-right aligned, an unset window side (FA4: None) is -1, the default scale is head dim^-1/2 (what every
+    release computes when ``softmax_scale`` is None), and a causal call's right window is the causal bound."""
+    q = arg(b, "q")
+    causal = bool(arg(b, "causal", "is_causal", default=False))
+    wl, wr = int(arg(b, "window_size_left", default=-1)), int(arg(b, "window_size_right", default=-1))
+    if causal and wr > 0:
+        wr = -1
+    scale = arg(b, "softmax_scale")
+    return Problem(scale=float(scale) if scale is not None else q.shape[-1] ** -0.5, causal=causal,
+                   causal_align="bottom_right", window=(wl, wr), softcap=float(arg(b, "softcap", default=0.0)),
+                   cu_seqlens_q=arg(b, "cu_seqlens_q"), cu_seqlens_k=arg(b, "cu_seqlens_k"),
+                   max_seqlen_q=arg(b, "max_seqlen_q"), max_seqlen_k=arg(b, "max_seqlen_k"),
+                   sink=None if sink is None else _sink_values(sink))
+
+
+def _sink_values(sink: torch.Tensor) -> torch.Tensor:
+    """The sink's values, detached; a floating sink as ``SINK_DTYPE``, any other kept as given so that the
+    backward's check refuses it by its type."""
+    return sink.detach().to(SINK_DTYPE) if sink.is_floating_point() else sink.detach()
+
+
+def mismatch(recorded: Problem, given: Problem) -> Optional[str]:
+    """Why a backward's own arguments contradict the record filed under its LSE (None: they agree). They agree
+    whenever flash-attn's Functions made both; a contradiction means the record is not this call's."""
+    for name in ("scale", "causal", "window", "softcap"):
+        if getattr(recorded, name) != getattr(given, name):
+            return (f"flash-attn forward record and backward arguments disagree on {name} "
+                    f"({getattr(recorded, name)!r} vs {getattr(given, name)!r}): original backward")
+    if (recorded.cu_seqlens_q is None) != (given.cu_seqlens_q is None):
+        return "flash-attn forward record and backward arguments disagree on varlen: original backward"
+    return None
+
+
+def make_call_record(b: dict, source: str, sink: Optional[torch.Tensor]) -> CallRecord:
+    """The record of a forward running now: its problem from the arguments, the context active now."""
+    return CallRecord(problem_of(b, sink), make_context(source))
+
+
+# ---- filing and finding -------------------------------------------------------------------------------------
 
 def _key(lse: torch.Tensor) -> Tuple[str, int]:
     return (str(lse.device), lse.data_ptr())
 
 
-_when_empty: List[Callable[[], None]] = []  # run once no record is alive (the hook's deferred restores)
+def _fileable(lse) -> bool:
+    """Only a plain, non-empty tensor with real memory has an address and a storage to key by (a fake or
+    meta LSE, under tracing, has neither; nothing to file without an LSE: no backward)."""
+    return type(lse) is torch.Tensor and lse.numel() > 0 and lse.device.type != "meta"
 
 
-def _drop(key) -> None:
+def _drop(key, token: int) -> None:
     with _lock:
-        _records.pop(key, None)
+        entry = _records.get(key)
+        if entry is not None and entry.token == token:
+            del _records[key]
         ready = [] if _records else _when_empty[:]
         if ready:
             _when_empty.clear()
@@ -71,37 +151,37 @@ def when_no_records(fn: Callable[[], None]) -> None:
     fn()
 
 
-def remember(lse: Optional[torch.Tensor], source: str, sink: Optional[torch.Tensor] = None) -> None:
-    """File the context (and ``sink``) of a forward that returned ``lse`` (nothing to file without an LSE: no
-    backward). The sink is held detached: its values, not its graph."""
-    if not isinstance(lse, torch.Tensor) or lse.numel() == 0:
+def remember(lse, record: CallRecord) -> None:
+    """File ``record`` under the storage of ``lse``, the LSE its forward returned."""
+    if not _fileable(lse):
         return
-    record = ForwardRecord(context=make_context(source),
-                           sink=sink.detach() if isinstance(sink, torch.Tensor) else None)
-    key = _key(lse)
+    storage = lse.untyped_storage()
+    key, token = _key(lse), next(_tokens)
     with _lock:
-        _records[key] = (weakref.ref(lse), record)
-    weakref.finalize(lse, _drop, key)
+        _records[key] = _Entry(weakref.ref(storage), tuple(lse.shape), token, ForwardRecord(record))
+    weakref.finalize(storage, _drop, key, token)
 
 
-def find(lse: Optional[torch.Tensor]) -> Optional[ForwardRecord]:
-    """The record the forward of this backward filed, or None."""
-    if isinstance(lse, torch.Tensor):
-        with _lock:
-            entry = _records.get(_key(lse))
-        if entry is not None and entry[0]() is not None:
-            return entry[1]
-    return None
+def find(lse) -> Optional[ForwardRecord]:
+    """The record the forward of this backward filed, or None: the entry at the LSE's address, whose storage is
+    alive and is this LSE's storage, filed for this shape."""
+    if not _fileable(lse):
+        return None
+    with _lock:
+        entry = _records.get(_key(lse))
+    if entry is None or entry.shape != tuple(lse.shape):
+        return None
+    storage = entry.storage()
+    if storage is None or storage is not lse.untyped_storage():
+        return None
+    return entry.record
 
 
-def record_for(lse: Optional[torch.Tensor], source: str) -> ForwardRecord:
-    """The record the forward of this backward filed (else one made now, ``recorded=False``, reason logged)."""
-    found = find(lse)
-    if found is not None:
-        return found
-    q_class = telemetry.shape_class(source)
-    telemetry.note_reason(NO_RECORD_REASON, q_class)
-    return ForwardRecord(context=make_context(source, layer=source), recorded=False)
+def unrecorded(b: dict, source: str, sink: Optional[torch.Tensor]) -> ForwardRecord:
+    """The record of a backward whose forward filed none, made now from its arguments ``b`` (the layer is the
+    source: nothing names it now), the reason logged once per shape class."""
+    telemetry.note_reason(NO_RECORD_REASON, telemetry.shape_class(source))
+    return ForwardRecord(CallRecord(problem_of(b, sink), make_context(source, layer=source)), recorded=False)
 
 
 def live_records() -> int:
@@ -111,41 +191,29 @@ def live_records() -> int:
 
 
 def lse_of(result) -> Optional[torch.Tensor]:
-    """The LSE in a flash-attn forward's result: FA2/FA3 (out, lse, ...), FA4 (out, lse)."""
+    """The LSE in a flash-attn forward's result: FA2/FA3 (out, lse, ...), FA4 (out, lse, p, row_max, o_lo)."""
     if isinstance(result, (tuple, list)) and len(result) >= 2 and isinstance(result[1], torch.Tensor):
         return result[1]
     return None
 
 
-def argument_reader(fn: Callable, name: str) -> Optional[Callable[[tuple, dict], object]]:
-    """A reader of argument ``name`` from a call's (args, kwargs) of ``fn`` (None when ``fn`` has no such
-    parameter or no readable signature). Reads by keyword, else by position; never binds the whole call."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    names = [p.name for p in params]
-    if name not in names:
-        return None
-    param = params[names.index(name)]
-    index = names.index(name) if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) else None
-
-    def read(args: tuple, kwargs: dict):
-        if name in kwargs:
-            return kwargs[name]
-        if index is not None and index < len(args):
-            return args[index]
-        return None
-    return read
-
-
-def recording(forward: Callable, source: str, sink_of: Optional[Callable[[tuple, dict], object]] = None) -> Callable:
-    """``forward`` that files a record for each call (the result is returned untouched); ``sink_of(args,
-    kwargs)`` reads the call's learnable sink (FA4's ``learnable_sink``) into the record."""
+def recording(forward: Callable, signature: inspect.Signature, source_of: Callable[[dict], str],
+              sink_name: Optional[str] = None) -> Callable:
+    """``forward`` that files each call's record under the LSE it returns (the result is returned untouched).
+    The call's arguments are bound against ``signature`` (defaults applied); ``source_of(arguments)`` names the
+    source (dense or varlen); ``sink_name`` is the forward's learnable-sink argument (FA4), if it has one.
+    A forward without q (FA4's MLA path, whose backward the hook does not replace) files nothing."""
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
         result = forward(*args, **kwargs)
-        remember(lse_of(result), source, sink=None if sink_of is None else sink_of(args, kwargs))
+        lse = lse_of(result)
+        if _fileable(lse):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            b = dict(bound.arguments)
+            if arg(b, "q") is not None:
+                sink = arg(b, sink_name) if sink_name else None
+                remember(lse, make_call_record(b, source_of(b), sink if isinstance(sink, torch.Tensor) else None))
         return result
     wrapped.__gproj_patched__ = True
     return wrapped

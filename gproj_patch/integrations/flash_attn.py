@@ -17,10 +17,12 @@ Arguments are read by name (bound against the original function's signature), so
 every schema; an argument it does not know that is set to a non-default value sends the call to the original.
 
 Records. The forward ops (``_flash_attn_forward`` / ``_flash_attn_varlen_forward``, FA3's, FA4's
-``_flash_attn_fwd``) are wrapped too: each call's context (mode, tier option, layer name of the scope open at
-the forward, policy options) is recorded against the LSE tensor it returns (``records.py``), and the backward,
-which receives that same LSE, reads it back. The problem (scale, causal, window, softcap, varlen offsets) comes
-from the backward's arguments, which flash-attn's autograd Functions saved at the forward.
+``_flash_attn_fwd``) are wrapped too: each call's complete ``CallRecord`` — the problem (scale, causal, window,
+softcap, varlen offsets, learnable sink) from the forward's arguments, the context (mode, tier option, layer
+name of the scope open at the forward, policy options) — is filed under the storage of the LSE it returns
+(``fa_records``), and the backward, which receives that LSE, runs exactly that record. The backward's own
+arguments are checked against it (a contradiction sends the call to the original backward) and decide only
+what the record cannot know: dropout, ALiBi, seqused, an argument the replacement does not take, output buffers.
 
 FA4's functions are replaced by a proxy that forwards attribute reads and writes to the function it replaces:
 FA4 keeps its JIT cache on the function object (``_flash_attn_bwd.compile_cache``, read through the module
@@ -52,7 +54,6 @@ import torch
 from .. import config, telemetry
 from ..backends import compat
 from ..backends.spec import sink_unsupported_reason
-from ..record import CallRecord, Problem
 from ..router import BackwardTensors, run_backward
 from . import fa_records
 
@@ -67,8 +68,8 @@ FORWARD_OPS = ("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varle
 FA4_FWD = "_flash_attn_fwd"
 FA_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn_3", "flash_attn.cute")
 FA4_MODULE, FA4_FN = "flash_attn.cute.interface", "_flash_attn_bwd"
+FA4_LIBRARY = "flash_attn_4"
 FA4_SINK = "learnable_sink"  # FA4's argument for the per-head sink logits (forward and backward)
-SINK_DTYPE = torch.float32   # the sink as the GProj tiers take it (exact for FA4's fp16/bf16/fp32 sinks)
 DEVICE_TYPE = "cuda"  # the kernels install() replaces (flash-attn registers CUDA kernels only)
 
 # names the replacement understands (and the values that mean "not used")
@@ -85,11 +86,8 @@ UNRECORDED_SINK_REASON = ("FA4 backward without learnable_sink and no forward re
 _installed: List[Tuple[str, Callable[[], None]]] = []  # (what, restore)
 
 
-def _arg(b: dict, *names, default=None):
-    for n in names:
-        if n in b and b[n] is not None:
-            return b[n]
-    return default
+_arg = fa_records.arg
+SINK_DTYPE = fa_records.SINK_DTYPE
 
 
 def _to_bhsd(x: torch.Tensor, varlen: bool) -> torch.Tensor:
@@ -154,22 +152,25 @@ def _softmax_d(b: dict, q4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, v
 def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, returns: str = "softmax_d",
                           fake: Optional[Callable[[], torch.Tensor]] = None, *, forward_takes_sink: bool = False):
     """The replacement body: ``b`` holds the call's arguments by name (every parameter of the backward, defaults
-    applied); ``original()`` runs the saved kernel; ``fake()`` (optional) builds the op's auxiliary return value
-    with the op's own shape; ``forward_takes_sink``: the library's forward accepts a learnable sink."""
+    applied); ``original()`` runs the saved kernel; ``source`` names the library (``flash_attn_4``, ...);
+    ``fake()`` (optional) builds the op's auxiliary return value with the op's own shape;
+    ``forward_takes_sink``: the library's forward accepts a learnable sink."""
     q, k, v = _arg(b, "q"), _arg(b, "k"), _arg(b, "v")
     lse = _arg(b, "softmax_lse", "lse")
-    if fa_records.find(lse) is None and config.active() is None:
-        return original()  # disable() ran and this forward was not made under the patch: the original, untouched
-    forward = fa_records.record_for(lse, source)
-    context = forward.context
-    varlen = _arg(b, "cu_seqlens_q") is not None
     given_sink = _arg(b, FA4_SINK)  # FA4 ≥ #2706 passes the sink and then returns its gradient too
-    sink = given_sink if given_sink is not None else forward.sink
-    softcap = float(_arg(b, "softcap", default=0.0))
-    reason = _fallback_reason(b) or _unknown_sink_reason(forward, b, forward_takes_sink) or \
-        _sink_reason(sink, _to_bhsd(q, varlen), softcap)
-    if reason is not None or context.mode == "off":
-        telemetry.record_backward("original", reason, telemetry.shape_class(source, q, k))
+    varlen = _arg(b, "cu_seqlens_q") is not None
+    forward = fa_records.find(lse)
+    if forward is None:
+        if config.active() is None:
+            return original()  # disable() ran and this forward was not made under the patch: untouched
+        forward = fa_records.unrecorded(b, _call_source(source, b), given_sink)
+    problem = forward.call.problem
+    reason = _fallback_reason(b) or \
+        (fa_records.mismatch(problem, fa_records.problem_of(b, None)) if forward.recorded else None) or \
+        _unknown_sink_reason(forward, b, forward_takes_sink) or \
+        _sink_reason(given_sink if given_sink is not None else problem.sink, _to_bhsd(q, varlen), problem.softcap)
+    if reason is not None or forward.context.mode == "off":
+        telemetry.record_backward("original", reason, telemetry.shape_class(forward.context.source, q, k))
         return original()
     do, o = _arg(b, "dout", "do"), _arg(b, "out", "o")
     if do.shape[-1] < v.shape[-1]:  # head dim padded to a multiple of 8 by the caller, dout not
@@ -184,17 +185,7 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
             dq_b, dk_b, dv_b = result["ret"][:3]
         return tuple(_to_bhsd(t, varlen) for t in (dq_b, dk_b, dv_b))
 
-    causal = bool(_arg(b, "causal", "is_causal", default=False))
-    wl, wr = int(_arg(b, "window_size_left", default=-1)), int(_arg(b, "window_size_right", default=-1))
-    if causal and wr > 0:
-        wr = -1
-    scale = _arg(b, "softmax_scale")
-    problem = Problem(scale=float(scale) if scale is not None else q.shape[-1] ** -0.5, causal=causal,
-                      causal_align="bottom_right", window=(wl, wr), softcap=softcap,
-                      cu_seqlens_q=_arg(b, "cu_seqlens_q"), cu_seqlens_k=_arg(b, "cu_seqlens_k"),
-                      max_seqlen_q=_arg(b, "max_seqlen_q"), max_seqlen_k=_arg(b, "max_seqlen_k"),
-                      sink=None if sink is None else sink.detach().to(SINK_DTYPE))
-    grads = run_backward(CallRecord(problem, context), BackwardTensors(do4, q4, k4, v4, o4, lse), run_original)
+    grads = run_backward(forward.call, BackwardTensors(do4, q4, k4, v4, o4, lse), run_original)
     if "ret" in result:  # the original kernel ran and filled the buffers itself
         return result["ret"]
     outs = []
@@ -220,9 +211,21 @@ def _opdef(qualname: str):
     return compat.custom_op_def(qualname)
 
 
-def _source(qualname: str) -> str:
-    return qualname.split("::")[0].replace("flashattn", "flash_attn") + ":" + \
-        ("varlen" if "varlen" in qualname else "dense")
+def _library(qualname: str) -> str:
+    """The library an op belongs to, as sources name it: ``flash_attn`` (both FA2 namespaces), ``flash_attn_3``."""
+    return qualname.split("::")[0].replace("flashattn", "flash_attn")
+
+
+def _call_source(library: str, b: dict) -> str:
+    """The source of one call (its shape class and an unrecorded call's layer): library and dense/varlen."""
+    return f"{library}:{'varlen' if _arg(b, 'cu_seqlens_q') is not None else 'dense'}"
+
+
+def _takes_argument(fn: Optional[Callable], name: str) -> bool:
+    try:
+        return fn is not None and name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no readable signature
+        return False
 
 
 def _register(opdef, device_type: str, kernel: Callable) -> Callable[[], None]:
@@ -250,13 +253,13 @@ def patch_op(qualname: str, device_type: str = "cuda") -> Callable[[], None]:
     if previous is None:
         raise LookupError(f"{qualname} has no {device_type} kernel to replace")
     signature = inspect.signature(compat.custom_op_signature_fn(opdef))
-    source = _source(qualname)
+    library = _library(qualname)
 
     def kernel(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         fake = compat.custom_op_fake(opdef)
-        return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), source,
+        return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), library,
                                      fake=None if fake is None else (lambda: fake(*args, **kwargs)))
     return _register(opdef, device_type, kernel)
 
@@ -265,22 +268,26 @@ def patch_forward_op(qualname: str, device_type: str = "cuda") -> Callable[[], N
     """Wrap a flash-attn forward op's kernel so each call files its record (output untouched)."""
     opdef = _opdef(qualname)
     previous = compat.custom_op_kernel(opdef, device_type)
-    return _register(opdef, device_type, fa_records.recording(previous, _source(qualname)))
+    library = _library(qualname)
+    return _register(opdef, device_type, fa_records.recording(
+        previous, inspect.signature(compat.custom_op_signature_fn(opdef)), lambda b: _call_source(library, b)))
 
 
-def _patch_attr(module, name: str, source: str, backward: bool) -> Callable[[], None]:
+def _patch_attr(module, name: str, library: str, backward: bool) -> Callable[[], None]:
+    """Replace FA4's module function ``name`` by a proxy: the corrected backward, or the recording forward."""
     previous = getattr(module, name)
+    signature = inspect.signature(previous)
     if backward:
-        signature = inspect.signature(previous)
-        takes_sink = fa_records.argument_reader(getattr(module, FA4_FWD, None), FA4_SINK) is not None
+        takes_sink = _takes_argument(getattr(module, FA4_FWD, None), FA4_SINK)
 
         def call(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), source,
+            return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), library,
                                          returns="grads", forward_takes_sink=takes_sink)
     else:
-        call = fa_records.recording(previous, source, sink_of=fa_records.argument_reader(previous, FA4_SINK))
+        call = fa_records.recording(previous, signature, lambda b: _call_source(library, b),
+                                    sink_name=FA4_SINK if _takes_argument(previous, FA4_SINK) else None)
     replacement = fa_records.FunctionProxy(previous, call)
     setattr(module, name, replacement)
 
@@ -325,9 +332,9 @@ def install() -> str:
         except Exception:
             fa4 = None
         if fa4 is not None and hasattr(fa4, FA4_FN):
-            done[f"{FA4_MODULE}.{FA4_FN}"] = _patch_attr(fa4, FA4_FN, "flash_attn_4:dense", backward=True)
+            done[f"{FA4_MODULE}.{FA4_FN}"] = _patch_attr(fa4, FA4_FN, FA4_LIBRARY, backward=True)
             if hasattr(fa4, FA4_FWD):
-                done[f"{FA4_MODULE}.{FA4_FWD}"] = _patch_attr(fa4, FA4_FWD, "flash_attn_4:dense", backward=False)
+                done[f"{FA4_MODULE}.{FA4_FWD}"] = _patch_attr(fa4, FA4_FWD, FA4_LIBRARY, backward=False)
     except BaseException:
         for restore in reversed(list(done.values())):
             restore()
