@@ -14,7 +14,8 @@ learnable sink) rounded to the input dtype, LSE fp32; ``p``, ``row_max``, ``o_lo
 dense paths. The backward ("the original") is the uncorrected BF16 emulation of a fused backward (FA's roundings,
 so it leaks under a common key offset as FA4 does), with FA4's ``(dq, dk, dv[, dsink])`` return; where the
 emulation has no model (a ``dlse``, softcap with a sink) it is exact fp64 autograd. Each call of the original is
-counted in ``CALLS["original"]``; the sparse-MLA path (``qv``) and the score/mask-mod arguments raise.
+counted in ``CALLS["original"]``; the sparse-MLA path (``qv``), the score/mask-mod arguments and a ``seqused``
+shorter than the sequences raise.
 """
 import importlib.machinery
 import importlib.util
@@ -114,6 +115,16 @@ def _original_backward(q, k, v, out, dout, lse, *, scale, causal, window, softca
                               sink=None if sink is None else sink.float())
     outs = tuple(_fa_layout(g, varlen).to(t.dtype) for g, t in zip(grads[:3], (q, k, v)))
     return outs if sink is None else outs + (grads[3].to(sink.dtype),)
+
+
+def _full_lengths_only(seqused: Optional[torch.Tensor], x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> None:
+    """``seqused_q``/``seqused_k`` are modelled only where every sequence is used in full (then they change
+    nothing); shorter used lengths raise."""
+    if seqused is None:
+        return
+    full = cu_seqlens.diff() if cu_seqlens is not None else torch.full_like(seqused, x.shape[1])
+    if not torch.equal(seqused.to(full.dtype), full):
+        raise NotImplementedError("the FA4 stand-in models seqused only at the full sequence lengths")
 
 
 def _unmodelled(**arguments) -> None:
@@ -229,7 +240,9 @@ def _flash_attn_bwd(
     learnable_sink: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, ...]:
     """The release's backward, modelled: ``(dq, dk, dv)``, ``(dq, dk, dv, dsink)`` when given a sink."""
-    _unmodelled(seqused_q=seqused_q, seqused_k=seqused_k, dq=dq, dk=dk, dv=dv, score_mod=score_mod,
+    _full_lengths_only(seqused_q, q, cu_seqlens_q)
+    _full_lengths_only(seqused_k, k, cu_seqlens_k)
+    _unmodelled(dq=dq, dk=dk, dv=dv, score_mod=score_mod,
                 score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
                 block_sparse_tensors=block_sparse_tensors)
     CALLS["original"] += 1

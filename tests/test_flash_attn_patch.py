@@ -9,6 +9,8 @@ import gproj_patch
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.integrations import flash_attn as fa_hook
 
+import fa4_standin
+
 NS = "gproj_fa_test"
 CALLS = {"dense": 0, "varlen": 0}
 
@@ -204,56 +206,20 @@ def test_real_flash_attn_func():
 
 
 def _fake_fa4(monkeypatch):
-    """A stand-in ``flash_attn.cute.interface`` whose ``_flash_attn_bwd`` has FA4's signature (flash-attn-4:
-    q, k, v, out, dout, lse, softmax_scale, causal, softcap, tile options..., cu_seqlens_q/k, seqused_q/k;
-    returns (dq, dk, dv) in (B, S, H, D)), and an autograd Function that looks it up as a module global at
-    backward time, as FA4's FlashAttnFunc does."""
-    import importlib.machinery
-    import sys
-    import types
-
-    mods = {}
-    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
-        m = types.ModuleType(name)
-        m.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
-        m.__path__ = []
-        mods[name] = m
-        monkeypatch.setitem(sys.modules, name, m)
-    iface = mods["flash_attn.cute.interface"]
-    calls = {"original": 0}
-
-    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
-                        m_block_size=64, n_block_size=128, num_threads=256, pack_gqa=False, num_stages_Q=2,
-                        num_stages_dO=2, SdP_swapAB=False, dKV_swapAB=False, dQ_swapAB=False,
-                        AtomLayoutMSdP=2, AtomLayoutNdKV=2, AtomLayoutMdQ=2, V_in_regs=False,
-                        cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None):
-        calls["original"] += 1
-        return tuple(g.to(q.dtype) for g in _plain_backward(dout, q, k, v, softmax_scale, causal))
-
-    iface._flash_attn_bwd = _flash_attn_bwd
-
-    class FlashAttnFunc(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, causal):
-            out, lse = _forward(q, k, v, causal)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.causal = causal
-            return out
-
-        @staticmethod
-        def backward(ctx, dout):
-            q, k, v, out, lse = ctx.saved_tensors
-            dq, dk, dv = iface._flash_attn_bwd(q, k, v, out, dout, lse, q.shape[-1] ** -0.5, ctx.causal)
-            return dq, dk, dv, None
-
+    """flash-attn-4 4.0.0b36's ``flash_attn.cute.interface`` as the CPU stand-in (``tests/fa4_standin.py``): its
+    ``FlashAttnFunc`` looks ``_flash_attn_fwd`` / ``_flash_attn_bwd`` up as module globals, returns
+    ``(out, lse)`` and saves ``lse``; ``CALLS["original"]`` counts its own backward."""
+    iface = fa4_standin.load(monkeypatch)
     monkeypatch.setattr(fa_hook, "FA2_OPS", ())
     monkeypatch.setattr(fa_hook, "FA3_OPS", ())
-    return iface, FlashAttnFunc, calls
+    monkeypatch.setattr(fa_hook, "FORWARD_OPS", ())
+    return iface
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa4_module_function_replaced_and_restored(monkeypatch, causal):
-    iface, func, calls = _fake_fa4(monkeypatch)
+    iface = _fake_fa4(monkeypatch)
+    calls = iface.CALLS
     original = iface._flash_attn_bwd
     q, k, v, do = _fa_inputs(S=24, offset=64.0)
     ref = reference_backward(*(_bhsd(t, False) for t in (q, k, v, do)), causal=causal, causal_align="bottom_right")
@@ -262,7 +228,7 @@ def test_fa4_module_function_replaced_and_restored(monkeypatch, causal):
     assert "flash_attn.cute.interface._flash_attn_bwd" in handle.installed["flash_attn"]
     assert iface._flash_attn_bwd is not original
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    func.apply(*leaves, causal).backward(do)
+    iface.flash_attn_func(*leaves, causal=causal)[0].backward(do)  # the caller keeps out only
     assert calls["original"] == 0 and gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 1
     for got, want in zip((t.grad for t in leaves), ref):
         assert got.shape == want.transpose(1, 2).shape and got.dtype == torch.bfloat16
@@ -271,12 +237,13 @@ def test_fa4_module_function_replaced_and_restored(monkeypatch, causal):
     gproj_patch.disable()
     assert iface._flash_attn_bwd is original
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    func.apply(*leaves, causal).backward(do)
+    iface.flash_attn_func(*leaves, causal=causal)[0].backward(do)
     assert calls["original"] == 1
 
 
 def test_fa4_seqused_goes_to_the_original(monkeypatch):
-    iface, _func, calls = _fake_fa4(monkeypatch)
+    iface = _fake_fa4(monkeypatch)
+    calls = iface.CALLS
     q, k, v, do = _fa_inputs(S=16)
     out, lse = _forward(q, k, v, False)
     gproj_patch.enable(mode="gproj", targets=("flash_attn",))
