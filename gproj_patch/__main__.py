@@ -1,6 +1,11 @@
-"""Command line: ``python -m gproj_patch audit [--quick] [--json PATH] [--plot PATH.png] ...``.
+"""Command line: ``python -m gproj_patch COMMAND``.
 
-Subcommands: ``audit`` (see ``gproj_patch.audit.cli`` for the options, metrics and the JSON fields).
+Commands:
+  ``audit``    attention-gradient errors of every backend (and of your own functions) vs an fp64 oracle
+               (``gproj_patch.audit.cli`` documents the options, metrics and JSON fields);
+  ``startup``  ``--check`` / ``--install [DIR]`` / ``--uninstall [DIR]``: the ``GPROJ_PATCH=1`` start-up hook
+               (``gproj_patch.integrations.startup``; called in-process, so no runpy warning).
+``--version`` prints the package version.
 """
 from __future__ import annotations
 
@@ -10,15 +15,22 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from . import __version__
     from .audit import cli as audit
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["startup"]:  # its own parser, options passed through unchanged
+        from .integrations import startup
+        return startup.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m gproj_patch",
                                      description="gproj_patch: correct BF16/FP16 attention gradients (GProj)")
+    parser.add_argument("--version", action="version", version=f"gproj_patch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    ap = sub.add_parser("audit", help="gradient error of every attention backend on the synthetic suite",
-                        description=audit.__doc__.split("\n\n")[0])
+    ap = sub.add_parser("audit", help="gradient error of every attention backend on the adversarial suite")
     audit.build_parser(ap)
+    sub.add_parser("startup", add_help=False,
+                   help="--check | --install [DIR] | --uninstall [DIR]: the GPROJ_PATCH=1 start-up hook")
     args = parser.parse_args(argv)
     if args.command == "audit":
         return audit.run_audit(args, ap)

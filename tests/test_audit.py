@@ -7,14 +7,16 @@ import sys
 import pytest
 import torch
 
-from gproj_patch.audit import cli as audit
+from gproj_patch.audit import backends as audit_backends
+from gproj_patch.audit import cli
+from gproj_patch.audit import run as audit_run
 from gproj_patch.__main__ import main as cli_main
 from gproj_patch.audit.cases import CASES, get_case, select_cases
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():  # small tile products: 2-3x faster with one thread on a shared 2-core machine
-    with audit.torch_threads(1):
+    with audit_run.torch_threads(1):
         yield
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,7 +149,7 @@ def test_backend_errors_are_reported_not_raised():
     def na(inp):
         return "cannot express this"
 
-    res = audit.run_case(get_case("witness"), [audit.Backend("boom", boom), audit.Backend("na", boom, na)],
+    res = audit_run.run_case(get_case("witness"), [audit_backends.Backend("boom", boom), audit_backends.Backend("na", boom, na)],
                          torch.bfloat16, torch.device("cpu"), True, 0)
     assert res["results"]["boom"]["status"] == "error" and "kernel exploded" in res["results"]["boom"]["reason"]
     assert res["results"]["na"] == {"status": "n/a", "reason": "cannot express this",
@@ -201,7 +203,7 @@ def test_select_cases():
 
 
 def test_json_is_strict_with_non_finite_errors():
-    doc = audit._finite({"a": [float("inf"), 1.0, float("nan")], "b": {"c": float("-inf")}})
+    doc = audit_run.finite_json({"a": [float("inf"), 1.0, float("nan")], "b": {"c": float("-inf")}})
     assert json.loads(json.dumps(doc, allow_nan=False)) == {"a": ["inf", 1.0, "nan"], "b": {"c": "-inf"}}
 
 
@@ -238,14 +240,14 @@ def test_the_sink_case_is_out_of_fp16_range_only():
 
 def test_strict_fails_when_an_fp16_criterion_fails(monkeypatch, capsys):
     """An "emulated-gproj" that does not correct (the uncorrected emulation under that name) fails --strict."""
-    real = audit.available_backends
+    real = cli.available_backends
 
     def uncorrecting(device, dtype):
         backends, skipped = real(device, dtype)
-        return [audit.Backend(b.name, audit._emulated(False)) if b.name == "emulated-gproj" else b
+        return [audit_backends.Backend(b.name, audit_backends._emulated(False)) if b.name == "emulated-gproj" else b
                 for b in backends], skipped
 
-    monkeypatch.setattr(audit, "available_backends", uncorrecting)
+    monkeypatch.setattr(cli, "available_backends", uncorrecting)
     rc = cli_main(["audit", "--quick", "--dtype", "fp16", "--cases", "key_offset_128", "--backends",
                    "emulated-gproj", "--no-progress", "--strict"])
     assert rc == 1

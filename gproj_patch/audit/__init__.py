@@ -1,9 +1,12 @@
 """The gradient audit: attention backwards checked against the fp64 oracle on a named adversarial suite.
 
-``python -m gproj_patch audit`` / ``gproj-audit`` is ``main`` (``cli.py``).
+* ``check(fn, cases=..., dtype=..., device=...) -> Report``: audit your own attention function (``api.py``);
+* ``main``: the command line, ``python -m gproj_patch audit`` / ``gproj-audit`` (``cli.py``);
+* the pytest fixture ``gproj_audit`` (``pytest_plugin.py``, registered through the ``pytest11`` entry point).
 """
 from __future__ import annotations
 
+from .api import CaseResult, Report, check
 from .cli import main
 
-__all__ = ["main"]
+__all__ = ["check", "Report", "CaseResult", "main"]

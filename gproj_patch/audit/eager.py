@@ -11,8 +11,9 @@ from ..backends.spec import MaskSpec, default_scale
 from .cases import CaseInputs
 
 
-def _additive_mask(inp: CaseInputs) -> Optional[torch.Tensor]:
-    """HF's eager mask for the case's pattern: 0 where a key is visible, the dtype's minimum elsewhere."""
+def case_visibility(inp: CaseInputs) -> Optional[torch.Tensor]:
+    """The case's causal/window pattern as a boolean (Sq, Sk) mask, True where a key is visible (None: dense).
+    Shared by HF's eager mask here and the plugin backends' SDPA ``attn_mask``."""
     m = inp.mask
     spec = MaskSpec(causal=bool(m.get("causal", False)), causal_align=m.get("causal_align", "top_left"),
                     window=tuple(m.get("window", (-1, -1))))
@@ -21,7 +22,15 @@ def _additive_mask(inp: CaseInputs) -> Optional[torch.Tensor]:
     sq, sk = inp.q.shape[2], inp.k.shape[2]
     i = torch.arange(sq, device=inp.q.device)[:, None]
     j = torch.arange(sk, device=inp.q.device)[None, :]
-    visible = spec.visible(i, j, sq, sk)
+    return spec.visible(i, j, sq, sk)
+
+
+def _additive_mask(inp: CaseInputs) -> Optional[torch.Tensor]:
+    """HF's eager mask for the case's pattern: 0 where a key is visible, the dtype's minimum elsewhere."""
+    visible = case_visibility(inp)
+    if visible is None:
+        return None
+    sq, sk = visible.shape
     return torch.zeros(sq, sk, dtype=inp.q.dtype, device=inp.q.device).masked_fill(
         ~visible, torch.finfo(inp.q.dtype).min)
 

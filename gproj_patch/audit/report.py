@@ -1,9 +1,19 @@
-"""The audit's output: the table of errors per case and backend, the done-criteria lines, the plot."""
+"""The audit's output: the table of errors per case and backend, the criteria lines, the plot.
+
+One plain-text table format whatever is installed (no optional pretty-printer changes it): fixed columns, and a
+``note`` column holding each n/a or error reason, wrapped onto continuation lines so no line grows past
+``NOTE_WIDTH`` characters of note.
+"""
 from __future__ import annotations
 
 import math
 import sys
+import textwrap
 from typing import List, Optional
+
+HEADER = ["case", "backend", "dq err", "dk err", "dv err", "gauge err", "note"]
+NOTE_WIDTH = 44
+
 
 def _pct(x: Optional[float], absolute: bool = False) -> str:
     if x is None:
@@ -19,53 +29,45 @@ def _pct(x: Optional[float], absolute: bool = False) -> str:
 
 
 def table_rows(cases: List[dict], backends: List[str]) -> List[List[str]]:
+    """One row per (case, backend), then one continuation row per further line of a wrapped note."""
     rows = []
     for c in cases:
         for i, b in enumerate(backends):
             r = c["results"][b]
             label = c["name"] + ("" if c["gauge_regime"] else " (not gauge)") if i == 0 else ""
             if r["status"] == "ok":
-                cells = [_pct(r["dq"], r["dq_abs"]), _pct(r["dk"], r["dk_abs"]), _pct(r["dv"], r["dv_abs"]),
-                         _pct(r["gauge"])]
+                cells, note = [_pct(r["dq"], r["dq_abs"]), _pct(r["dk"], r["dk_abs"]), _pct(r["dv"], r["dv_abs"]),
+                               _pct(r["gauge"])], ""
             else:
-                cells = [r["status"], "", "", r.get("reason", "")[:60]]
-            rows.append([label, b] + cells)
+                cells, note = [r["status"], "", "", ""], r.get("reason", "")
+            lines = textwrap.wrap(note, NOTE_WIDTH) or [""]
+            rows.append([label, b] + cells + [lines[0]])
+            rows += [["", "", "", "", "", "", more] for more in lines[1:]]
     return rows
-
-
-HEADER = ["case", "backend", "dq err", "dk err", "dv err", "gauge err"]
 
 
 def render_table(cases: List[dict], backends: List[str], stream=None) -> None:
     stream = stream or sys.stdout
     rows = table_rows(cases, backends)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
-        line = lambda r: "  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths)))
-        print(line(HEADER), file=stream)
-        print("  ".join("-" * w for w in widths), file=stream)
-        for r in rows:
-            if r[0]:
-                print("", file=stream) if r is not rows[0] else None
-            print(line(r), file=stream)
-        return
-    t = Table(title="attention gradient error vs fp64")
-    for i, h in enumerate(HEADER):
-        t.add_column(h, justify="left" if i < 2 else "right")
-    for r in rows:
-        if r[0] and r is not rows[0]:
-            t.add_section()
-        t.add_row(*r)
-    Console(file=stream, width=None if stream.isatty() else 120).print(t)
+    widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
+
+    def line(r):
+        cells = [x.ljust(w) if i < 2 or i == len(HEADER) - 1 else x.rjust(w)
+                 for i, (x, w) in enumerate(zip(r, widths))]
+        return "  ".join(cells).rstrip()
+    print(line(HEADER), file=stream)
+    print("  ".join("-" * w for w in widths), file=stream)
+    for n, r in enumerate(rows):
+        if r[0] and n:
+            print("", file=stream)
+        print(line(r), file=stream)
 
 
 def render_checks(ch: dict, dtype: str = "bf16", stream=None) -> None:
+    """The criteria lines: the built-in backends' (those whose input ran) and each plugin's."""
     stream = stream or sys.stdout
-    fmt = lambda x: "-" if x is None else _pct(x)
-    ok = lambda x: "(not run)" if x is None else ("PASS" if x else "FAIL")
+    fmt = lambda x: "-" if x is None else _pct(x)  # noqa: E731
+    ok = lambda x: "(not run)" if x is None else ("PASS" if x else "FAIL")  # noqa: E731
     print(f"uncorrected emulation dq @128σ: {fmt(ch['uncorrected_dq_at_128sigma'])} "
           f"(want ≥ {_pct(ch['uncorrected_dq_min'])}) {ok(ch['pass_uncorrected_leaks'])}", file=stream)
     skipped = ch["gproj_out_of_range_cases"]
@@ -75,38 +77,83 @@ def render_checks(ch: dict, dtype: str = "bf16", stream=None) -> None:
     print(f"FP32 tier worst gauge-regime dq: {fmt(ch['fp32_tier_worst_gauge_regime_dq'])} "
           f"[{ch['fp32_tier_worst_gauge_regime_case']}] (want ≤ {_pct(ch['fp32_tier_dq_max'])}) "
           f"{ok(ch['pass_fp32_tier'])}", file=stream)
+    for name, pc in ch.get("plugins", {}).items():
+        print(f"{name}: worst gauge-regime dq {fmt(pc['worst_dq'])} [{pc['worst_dq_case']}] "
+              f"(want ≤ {_pct(pc['dq_max'])}) {ok(pc['pass_dq'])}; gauge {fmt(pc['worst_gauge'])} "
+              f"[{pc['worst_gauge_case']}] (want ≤ {_pct(pc['gauge_max'])}) {ok(pc['pass_gauge'])}; "
+              f"witness dq[0,0,0,0] {'-' if pc['witness_dq0'] is None else pc['witness_dq0']} (want 0) "
+              f"{ok(pc['pass_witness'])}", file=stream)
 
 
-def write_plot(path: str, cases: List[dict], backends: List[str], title: str) -> None:
+def _series(sweep: List[dict], backends: List[str], metric: str):
+    """[(label, points)] with backends whose points are identical merged into one series (their names joined):
+    identical curves drawn on top of each other would hide all but the last."""
+    merged: List[list] = []
+    for b in backends:
+        pts = [(c["key_offset"], c["results"][b][metric]) for c in sweep if c["results"][b].get("status") == "ok"]
+        pts = tuple((x, max(y, 1e-9)) for x, y in pts if y is not None and math.isfinite(y))
+        if not pts:
+            continue
+        for entry in merged:
+            if entry[1] == pts:
+                entry[0].append(b)
+                break
+        else:
+            merged.append([[b], pts])
+    return [(" = ".join(names), pts) for names, pts in merged]
+
+
+COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+           "tab:cyan", "tab:gray")
+MARKERS = "os^vDP*X<>h"  # 11 markers, 10 colours: (i % 10, i % 11) never repeats within 110 series
+
+
+def _style(i: int):
+    return COLOURS[i % len(COLOURS)], MARKERS[i % len(MARKERS)]
+
+
+def write_plot(path: str, cases: List[dict], backends: List[str], title: str,
+               dq_bound: Optional[float] = None, gauge_bound: Optional[float] = None) -> None:
+    """Two panels against the common key offset: (a) dq error vs fp64, (b) gauge error; one style per series
+    (colour and marker, never reused), identical series merged, the legend below the panels, each panel's
+    bound drawn and named in the legend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sweep = sorted((c for c in cases if c["sweep"]), key=lambda c: c["key_offset"])
     if not sweep:
-        raise ValueError("--plot needs the key-offset sweep cases (diffuse, key_offset_*) in --cases")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax, metric, label in ((axes[0], "dq", "dq relative error vs fp64"),
-                              (axes[1], "gauge", "gauge error (dq change under key translation)")):
-        for n, b in enumerate(backends):
-            pts = [(c["key_offset"], c["results"][b][metric]) for c in sweep
-                   if c["results"][b].get("status") == "ok"]
-            pts = [(x, max(y, 1e-9)) for x, y in pts if y is not None and math.isfinite(y)]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^vDx*P"[n % 8], label=b,
-                        ls="--" if "fused" in b or "plain" in b else "-", alpha=0.85)
+        raise ValueError("the plot needs the key-offset sweep cases (diffuse, key_offset_*)")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    style = {}
+    panels = ((axes[0], "dq", "(a) dq relative error vs fp64", "dq error", dq_bound, "dq bound", ":"),
+              (axes[1], "gauge", "(b) gauge error: dq change under a common key translation", "gauge error",
+               gauge_bound, "gauge bound", "-."))
+    offsets = [c["key_offset"] for c in sweep]
+    for ax, metric, title_, ylabel, bound, bound_name, bound_ls in panels:
+        for name, pts in _series(sweep, backends, metric):
+            colour, marker = style.setdefault(name, _style(len(style)))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=colour, label=name, ms=6,
+                    ls="--" if "fused" in name or "plain" in name else "-", alpha=0.85, mfc="none", mew=1.4)
+        if bound is not None:
+            ax.axhline(bound, color="black", ls=bound_ls, lw=1.0, label=f"{bound_name} {_pct(bound)}")
         ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlim(-0.6, 1.6 * max(offsets))
+        ax.set_xticks(offsets, [f"{x:g}" for x in offsets])
         ax.set_yscale("log")
-        ax.set_xlabel("common key offset (σ of the key spread)")
-        ax.set_ylabel(label)
-        ax.axhline(0.005, color="grey", ls=":", lw=1)
-        ax.annotate("0.5%", (0.0, 0.005), xycoords=("axes fraction", "data"), fontsize=7, color="grey")
+        ax.set_xlabel("common key offset (σ of the key spread; 0 = diffuse)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title_, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    handles, labels = {}, []
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    rows = math.ceil(len(labels) / 3)
+    fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# -------------------------------------------------------------------------------------------------------- CLI
