@@ -15,6 +15,10 @@
 #   timing  carry: .whl/ext2 (right after stage1 or prepare, as stage2)
 #           installs flash-attn-4 the same way, then runs benchmarks/run_device.sh with it importable, so that
 #           device_check.py times FA4's backward next to GProj, cuDNN and flash (RUN_DEVICE_ENV: its options).
+#   records carry: .whl/ext2 (right after stage1 or prepare, as stage2)
+#           installs flash-attn-4 the same way, then runs benchmarks/fa4_records_check.py (issue 19 item 2: two
+#           real FA4 layers in `auto`, one at a 300σ key offset: two forward records, only the sick layer
+#           corrected, no "no forward record" line); its table in $OUT/fa4_records.log, fa4_records.json beside.
 #
 # Run from the repository root: `bash benchmarks/external_gpu.sh stage1` (then `stage2`). Results in $OUT:
 # <suite>.log (everything, the diff of outcomes last), <suite>_summary.txt, <suite>_outcomes.json and
@@ -95,8 +99,14 @@ timing)
     install_fa4 || exit 3
     bash benchmarks/run_device.sh
     ;;
+records)
+    install_fa4 || exit 3
+    # shellcheck disable=SC2086  # RECORDS_ARGS: more options of fa4_records_check.py, e.g. --seqlen 4096
+    timeout 420 python3 benchmarks/fa4_records_check.py --out "$OUT" ${RECORDS_ARGS:-} 2>&1 | tee "$OUT/fa4_records.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
 *)
-    echo "usage: $0 stage1|stage2|prepare|timing"
+    echo "usage: $0 stage1|stage2|prepare|timing|records"
     exit 2
     ;;
 esac
