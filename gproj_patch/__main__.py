@@ -9,7 +9,6 @@ Commands:
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import List, Optional
 
@@ -22,10 +21,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["startup"]:  # its own parser, options passed through unchanged
         from .integrations import startup
         return startup.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m gproj_patch",
+    parser = audit.OneLineParser(prog="python -m gproj_patch",
                                      description="gproj_patch: correct BF16/FP16 attention gradients (GProj)")
     parser.add_argument("--version", action="version", version=f"gproj_patch {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=audit.OneLineParser)
     sub.required = True
     ap = sub.add_parser("audit", help="gradient error of every attention backend on the adversarial suite")
     audit.build_parser(ap)

@@ -98,8 +98,15 @@ EPILOG = ("exit status: 0 when the audit ran, whatever it measured; with --stric
           "Metrics, criteria and JSON fields: the docstring of gproj_patch/audit/cli.py.")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error is one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="python -m gproj_patch audit")
+    p = parser or OneLineParser(prog="python -m gproj_patch audit")
     p.description, p.epilog = DESCRIPTION, EPILOG
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input precision (default bf16)")
