@@ -13,7 +13,7 @@ The storage survives: the saved tensor holds it until the backward has run (or t
 keeps one Python object per storage while it lives. So an entry is keyed by (device, address of the LSE), holds a
 weak reference to that storage object, is found only when the backward's LSE lives in that very storage with the
 same shape, and is dropped by a ``weakref.finalize`` on the storage — after the backward, with a retained graph
-after its last backward, with a graph freed unused —, never by an entry filed later at the same address.
+after its last backward, with a graph freed unused — unless an entry filed later holds its address by then.
 
 A backward whose forward was not seen (it ran before ``enable()``, or through an op the hook does not wrap) gets
 a record made from its own arguments, with that reason logged once (``recorded=False``).
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -48,22 +47,16 @@ class ForwardRecord:
     def context(self):
         return self.call.context
 
-    @property
-    def sink(self) -> Optional[torch.Tensor]:
-        return self.call.problem.sink
-
 
 @dataclass(frozen=True, eq=False)
 class _Entry:
     storage: "weakref.ref"     # the LSE's storage object (alive as long as any tensor holds the storage)
     shape: Tuple[int, ...]
-    token: int                 # which filing this is: a finalizer drops only its own entry
     record: ForwardRecord
 
 
 _lock = threading.Lock()
 _records: Dict[Tuple[str, int], _Entry] = {}
-_tokens = itertools.count()
 _when_empty: List[Callable[[], None]] = []  # run once no record is alive (the hook's deferred restores)
 
 
@@ -129,10 +122,10 @@ def _fileable(lse) -> bool:
     return type(lse) is torch.Tensor and lse.numel() > 0 and lse.device.type != "meta"
 
 
-def _drop(key, token: int) -> None:
+def _drop(key, entry: _Entry) -> None:
+    """The storage of ``entry``'s LSE was freed: drop it, unless an entry filed later holds the key now."""
     with _lock:
-        entry = _records.get(key)
-        if entry is not None and entry.token == token:
+        if _records.get(key) is entry:
             del _records[key]
         ready = [] if _records else _when_empty[:]
         if ready:
@@ -156,10 +149,10 @@ def remember(lse, record: CallRecord) -> None:
     if not _fileable(lse):
         return
     storage = lse.untyped_storage()
-    key, token = _key(lse), next(_tokens)
+    key, entry = _key(lse), _Entry(weakref.ref(storage), tuple(lse.shape), ForwardRecord(record))
     with _lock:
-        _records[key] = _Entry(weakref.ref(storage), tuple(lse.shape), token, ForwardRecord(record))
-    weakref.finalize(storage, _drop, key, token)
+        _records[key] = entry
+    weakref.finalize(storage, _drop, key, entry)
 
 
 def find(lse) -> Optional[ForwardRecord]:
