@@ -164,11 +164,13 @@ class Config:
 class _Option:
     env: Optional[str]
     parse: Callable[[str, Any], Any]
+    #: an empty variable is an (invalid) value, not "unset": GPROJ_TARGETS="" names no target and raises
+    empty_is_value: bool = False
 
 
 _CORE: Dict[str, _Option] = {
     "mode": _Option("GPROJ_MODE", lambda n, v: _choice(n, v, MODES)),
-    "targets": _Option("GPROJ_TARGETS", parse_targets),
+    "targets": _Option("GPROJ_TARGETS", parse_targets, empty_is_value=True),
     "tier": _Option("GPROJ_TIER", lambda n, v: _choice(n, v, TIER_OPTIONS)),
     "kv_major": _Option("GPROJ_KV_MAJOR", lambda n, v: _choice(n, v, KV_MAJOR_OPTIONS)),
     "log_level": _Option("GPROJ_LOG_LEVEL", parse_log_level),
@@ -200,7 +202,7 @@ def _pick_sourced(options, explicit, environ) -> Dict[str, Tuple[Any, str]]:
     for name, opt in options.items():
         if name in explicit:
             out[name] = (opt.parse(name, explicit[name]), name)
-        elif opt.env and environ.get(opt.env, "") != "":
+        elif opt.env and (environ.get(opt.env, "") != "" or (opt.empty_is_value and opt.env in environ)):
             out[name] = (opt.parse(opt.env, environ[opt.env]), opt.env)
     return out
 

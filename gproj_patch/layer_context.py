@@ -11,19 +11,19 @@ import contextlib
 import contextvars
 from typing import Iterator, Optional
 
-import torch
-
 from .state import STATE
 
 _current: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("gproj_layer", default=None)
 
 
 def current_layer() -> Optional[str]:
-    """The name of the open ``layer_scope`` (eager code), else of the tracked module being traced by
-    ``torch.compile`` (``enter_traced_layer``), else None."""
-    if torch.compiler.is_compiling():
-        return STATE.traced_layers[-1] if STATE.traced_layers else None
+    """The name of the open ``layer_scope`` (eager code), else None."""
     return _current.get()
+
+
+def traced_layer() -> Optional[str]:
+    """While ``torch.compile`` traces a tracked module (``enter_traced_layer``): its name, else None."""
+    return STATE.traced_layers[-1] if STATE.traced_layers else None
 
 
 def enter_traced_layer(name: str) -> None:

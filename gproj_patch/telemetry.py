@@ -26,6 +26,8 @@ def shape_class(source: str, q=None, k=None) -> Tuple:
         return (source,)
     if getattr(q, "is_nested", False) or getattr(k, "is_nested", False):  # nested tensors have no sizes
         return (source, q.device.type, str(q.dtype).replace("torch.", ""), "nested")
+    if q.dim() < 3 or (k is not None and k.dim() < 3):  # not (..., H, S, D): no head dim or head count to name
+        return (source, q.device.type, str(q.dtype).replace("torch.", ""), f"{q.dim()}-D")
     gqa = k is not None and k.dim() == q.dim() and k.shape[-3] != q.shape[-3]
     return (source, q.device.type, str(q.dtype).replace("torch.", ""), int(q.shape[-1]), "gqa" if gqa else "mha")
 

@@ -180,10 +180,11 @@ q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.bfloat16, requires_grad=True) fo
 F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
 st = gproj_patch.stats()
 from transformers.modeling_utils import AttentionInterface
-print(f"rank {acc.process_index}/{acc.num_processes} patched={gproj_patch.is_enabled()} "
-      f"gproj={'gproj' in AttentionInterface._global_mapping} "
-      f"backend={torch.distributed.get_backend() if torch.distributed.is_initialized() else None} "
-      f"calls={sum(st.get(t, 0) for t in ('gproj', 'fp32', 'original'))}", flush=True)
+# one write of the whole line: the two ranks share the pipe (print's separate "\\n" write could interleave)
+os.write(1, (f"rank {acc.process_index}/{acc.num_processes} patched={gproj_patch.is_enabled()} "
+             f"gproj={'gproj' in AttentionInterface._global_mapping} "
+             f"backend={torch.distributed.get_backend() if torch.distributed.is_initialized() else None} "
+             f"calls={sum(st.get(t, 0) for t in ('gproj', 'fp32', 'original'))}\\n").encode())
 """
 
 

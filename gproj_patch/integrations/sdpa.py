@@ -72,6 +72,31 @@ _reentry = threading.local()  # calls of the wrapper made while a __torch_functi
 
 
 _TENSOR_ARGS = ("query", "key", "value", "attn_mask")
+#: the builtin's signature: ``(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+#: enable_gqa=False)`` — six positional parameters, the last two keyword-only
+_POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+_KEYWORDS = frozenset(_POSITIONAL + ("scale", "enable_gqa"))
+_BOOL = (bool, torch.SymBool)
+_NUMBER = (float, int, bool, torch.SymFloat, torch.SymInt)
+
+
+def _well_formed(args: tuple, kwargs: dict) -> bool:
+    """True when the builtin's argument parser would accept this call (names, counts, Python types of the
+    scalars). Any other call goes to the original untouched, which raises its own ``TypeError``, at the call,
+    with its own message (``scaled_dot_product_attention() got an unexpected keyword argument ...``)."""
+    if len(args) > len(_POSITIONAL) or len(args) + len(kwargs) < 3:
+        return False
+    for name in kwargs:
+        if name not in _KEYWORDS or name in _POSITIONAL[:len(args)]:
+            return False
+    if len(args) < 3 and any(n not in kwargs for n in _POSITIONAL[len(args):3]):
+        return False
+    bound = dict(zip(_POSITIONAL, args))
+    bound.update(kwargs)
+    return (isinstance(bound.get("dropout_p", 0.0), _NUMBER)
+            and isinstance(bound.get("is_causal", False), _BOOL)
+            and isinstance(bound.get("enable_gqa", False), _BOOL)
+            and (bound.get("scale") is None or isinstance(bound["scale"], _NUMBER)))
 
 
 @functools.wraps(sdpa_op.C_SDPA)
@@ -80,7 +105,7 @@ def scaled_dot_product_attention(*args, **kwargs):
     scale=None, enable_gqa=False)`` with the corrected backward (arguments passed on exactly as given).
     While the hook is not installed (a module bound this wrapper during ``enable()``, then ``disable()`` ran)
     every call goes to the original function untouched."""
-    if _saved is None:
+    if _saved is None or not _well_formed(args, kwargs):  # off, or a call the builtin rejects: its own error
         return sdpa_op.original_sdpa()(*args, **kwargs)
     # a tuple, built so: dynamo traces this wrapper, and a list here broke compiled CausalBias calls (PyTorch's
     # TestAttnBiasCPU compile variants in tests/test_external_torch_sdpa.py)

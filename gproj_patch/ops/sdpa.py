@@ -27,7 +27,7 @@ from ..backends.compat import fused_sdpa_lse
 from ..backends.spec import LOW_PRECISION, default_scale
 from ..config import POLICY_MODES, Config
 from ..record import CallRecord, Problem, make_context
-from ..layer_context import backward_ran, current_layer
+from ..layer_context import backward_ran, traced_layer
 from ..router import BackwardTensors, graph_backward, run_backward
 from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 
@@ -153,6 +153,8 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Op
         return "empty input"
     if dropout_p > 0.0:
         return "dropout > 0 (the fused kernel's dropout mask cannot be replayed by another backward)"
+    if dropout_p < 0.0:
+        return "dropout_p < 0 (the original decides: its own error, at the call)"
     if q.is_cuda and torch.are_deterministic_algorithms_enabled():
         return ("torch.use_deterministic_algorithms is on: the original runs its own determinism check (PyTorch's "
                 "fused backwards warn or raise there)")
@@ -162,6 +164,10 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Op
         return "inputs are not 4-D (B, H, S, D)"
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         return "broadcast batch dimensions"
+    if k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]:
+        return "k and v disagree in (B, H, S) or q and k in head dim (the original decides)"
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        return "q, k, v differ in dtype or device (the original decides)"
     if attn_mask is not None and attn_mask.requires_grad:
         return "attn_mask requires grad"
     return None
@@ -209,7 +215,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if compiling:
         from .sdpa_compiled import compiled_sdpa
         return compiled_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, cfg=cfg,
-                             layer=current_layer() or layer)  # the traced module's name: a graph constant
+                             layer=traced_layer() or layer)  # the traced module's name: a graph constant
     if k_heads_mismatch(query, key, enable_gqa):
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)  # the original raises its own error
