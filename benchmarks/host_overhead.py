@@ -9,7 +9,11 @@
    of ``--steps`` steps; median step time and peak memory per arm.
 
     PYTHONPATH=. python benchmarks/host_overhead.py [--reps 3 --steps 8] [--skip-host] [--skip-attention]
-        [--contexts 4096x2,16384x1 | ""]
+        [--contexts 4096x2,16384x1 | ""] [--compile]
+
+``--compile``: the model's loss (and the tiny call of 1.) under ``torch.compile(fullgraph=True)``, one compiled
+function per arm (enable/disable changes what Dynamo traces); Dynamo's graph and recompile counts per arm are
+reported — the patch must compile each arm once (issue 19, item 1).
 """
 import argparse
 import cProfile
@@ -19,6 +23,7 @@ import os
 import pstats
 import statistics
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +44,19 @@ def _arm(mode):
         gproj_patch.enable(mode=mode, sample_every=1000)
 
 
-def host_time(mode, n=300):
+def _attend(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def host_time(mode, n=300, compile_=False):
     _arm(mode)
     q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn_like(q)
+    attend = torch.compile(_attend, fullgraph=True) if compile_ else _attend
 
     def step():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+        attend(q, k, v).backward(do)
     for _ in range(30):
         step()
     torch.cuda.synchronize()
@@ -56,7 +66,7 @@ def host_time(mode, n=300):
     torch.cuda.synchronize()
     us = (time.perf_counter() - t) / n * 1e6
     profile = ""
-    if mode != "unpatched":
+    if mode != "unpatched" and not compile_:
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(100):
@@ -91,31 +101,50 @@ def build_model(seq):
     return model, cfg
 
 
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _own_code(fn, arm):
+    """``fn`` with a code object of its own: Dynamo caches compiled graphs per code object, so each arm's graph
+    is its first compile (not a recompile of another arm's) and the counts per arm mean what they say."""
+    return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{arm}"), fn.__globals__, fn.__name__)
+
+
 def step_times(args, seq, batch):
-    """Median step ms and peak MiB per arm, arms alternated ``args.reps`` times."""
+    """Median step ms and peak MiB per arm, arms alternated ``args.reps`` times (with ``--compile``: one
+    compiled loss per arm, and Dynamo's graphs/recompiles counted per arm)."""
+    from torch._dynamo.utils import counters
     model, cfg = build_model(seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
     times = {a: [] for a in ARMS}
     peak = {a: 0.0 for a in ARMS}
+    loss_fn = {a: torch.compile(_own_code(_loss, a), fullgraph=True) if args.compile else _loss for a in ARMS}
+    compiles = {a: [0, 0] for a in ARMS}  # graphs, recompiles
+    torch._dynamo.reset()
     for _rep in range(args.reps):
         for mode in ARMS:
             _arm(mode)
             torch.cuda.reset_peak_memory_stats()
+            graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
             for i in range(args.steps + 1):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                model(input_ids=ids, labels=ids).loss.backward()
+                loss_fn[mode](model, ids).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 torch.cuda.synchronize()
                 if i:  # the first step of each block warms up
                     times[mode].append((time.perf_counter() - t) * 1e3)
             peak[mode] = max(peak[mode], torch.cuda.max_memory_allocated() / 2**20)
+            compiles[mode][0] += counters["stats"]["unique_graphs"] - graphs
+            compiles[mode][1] += sum(counters["recompiles"].values()) - recompiles
     gproj_patch.disable()
     del model, opt
     torch.cuda.empty_cache()
-    return {"ms": {m: statistics.median(v) for m, v in times.items()}, "peak_mib": peak}
+    return {"ms": {m: statistics.median(v) for m, v in times.items()}, "peak_mib": peak,
+            "graphs_recompiles": compiles if args.compile else None}
 
 
 def main():
@@ -125,11 +154,13 @@ def main():
     ap.add_argument("--contexts", default="4096x2,16384x1", help="seq x batch of the training steps")
     ap.add_argument("--skip-host", action="store_true")
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the loss and tiny call")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "host_us": {}, "attention_ms": {}}
+    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "host_us": {}, "attention_ms": {},
+           "compiled": args.compile}
     for mode in ARMS if not args.skip_host else ():
-        us, profile = host_time(mode)
+        us, profile = host_time(mode, compile_=args.compile)
         res["host_us"][mode] = us
         if profile:
             print(f"--- profile, mode {mode} (100 calls) ---\n{profile[-2500:]}")
@@ -145,7 +176,7 @@ def main():
         json.dump(res, f, indent=1)
     if res["host_us"]:
         base = res["host_us"]["unpatched"]
-        print("host µs per fwd+bwd call (1·2·128·64):",
+        print(f"host µs per fwd+bwd call (1·2·128·64{', compiled' if args.compile else ''}):",
               ", ".join(f"{m} {v:.0f} (+{v - base:.0f})" for m, v in res["host_us"].items()))
     if res["attention_ms"]:
         print(f"{'shape':28s} " + " ".join(f"{m:>10s}" for m in ARMS) + "   gproj/unp  auto/unp")
@@ -157,7 +188,9 @@ def main():
         print(f"step ms (0.5B, seq x batch {ctx}, median of {args.reps}×{args.steps}, alternated): "
               + ", ".join(f"{m} {v:.1f}" for m, v in s.items())
               + f"; gproj {100 * (s['gproj'] / s['unpatched'] - 1):+.1f}%, auto {100 * (s['auto'] / s['unpatched'] - 1):+.1f}%"
-              + "; peak MiB " + ", ".join(f"{m} {v:.0f}" for m, v in peak.items()))
+              + "; peak MiB " + ", ".join(f"{m} {v:.0f}" for m, v in peak.items())
+              + ("" if not r["graphs_recompiles"] else
+                 "; graphs/recompiles " + ", ".join(f"{m} {g}/{c}" for m, (g, c) in r["graphs_recompiles"].items())))
 
 
 if __name__ == "__main__":
