@@ -22,7 +22,13 @@ fam = pytest.importorskip("torch.nn.attention.flex_attention")
 from tests.test_memory import _flat  # noqa: E402
 
 TARGET = 5e-3  # issue 10: dq, dk, dv within 0.5% of fp64
-UNPATCHED = fam.flex_attention  # bound at import, before any install()
+UNPATCHED = fam.flex_attention  # bound at import, before any install(): the hook swaps this function's code
+ORIGINAL_CODE = UNPATCHED.__code__
+
+
+def unpatched(*args, **kwargs):
+    """The original flex_attention, also while the hook is installed (``flex_reach``'s copy of it)."""
+    return flex_op.original_flex()(*args, **kwargs)
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -116,11 +122,12 @@ def test_install_uninstall_restore_by_identity():
     from transformers.modeling_utils import AttentionInterface
     hf_before = AttentionInterface._global_mapping["flex_attention"]
     assert hook.install() == "installed" and hook.install() == "installed"
-    assert fam.flex_attention is hook.flex_attention and flex_op.original_flex() is UNPATCHED
+    assert fam.flex_attention is UNPATCHED and UNPATCHED.__code__ is hook.flex_attention.__code__  # code swapped
+    assert flex_op.original_flex() is not UNPATCHED and flex_op.original_flex().__code__ is ORIGINAL_CODE
     assert AttentionInterface._global_mapping["flex_attention"] is hook.hf_flex_attention_forward
     hook.uninstall()
     hook.uninstall()
-    assert fam.flex_attention is UNPATCHED
+    assert fam.flex_attention is UNPATCHED and UNPATCHED.__code__ is ORIGINAL_CODE
     assert AttentionInterface._global_mapping["flex_attention"] is hf_before
 
 
@@ -304,8 +311,8 @@ def test_pass_through_with_reason(what):
     with torch.no_grad():  # without a gradient the hook is not involved at all
         assert torch.equal(fam.flex_attention(inp.q, inp.k, inp.v, **kw) if what != "lse" else
                            fam.flex_attention(inp.q, inp.k, inp.v, **kw)[0],
-                           UNPATCHED(inp.q, inp.k, inp.v, **kw) if what != "lse" else
-                           UNPATCHED(inp.q, inp.k, inp.v, **kw)[0])
+                           unpatched(inp.q, inp.k, inp.v, **kw) if what != "lse" else
+                           unpatched(inp.q, inp.k, inp.v, **kw)[0])
 
 
 def test_enable_mode_off_and_fp32_inputs_untouched():

@@ -1,17 +1,21 @@
-"""Hook: FlexAttention — ``torch.nn.attention.flex_attention.flex_attention`` and HF's ``"flex_attention"``.
+"""Hook: FlexAttention — torch's ``flex_attention`` (every binding of it) and HF's ``"flex_attention"``.
 
 ``install()``:
 
-* replaces the module attribute ``torch.nn.attention.flex_attention.flex_attention`` by ``flex_attention``
-  below (``ops/flex.py``): callers that look it up at call time (``flex_attention_module.flex_attention(...)``,
-  ``torch.compile(module.flex_attention)`` made after ``enable()``) are reached. Code that did ``from
-  torch.nn.attention.flex_attention import flex_attention`` before ``enable()`` keeps the original;
+* swaps the code of ``torch.nn.attention.flex_attention.flex_attention`` for the hook's (``flex_reach.py``):
+  the function keeps its identity, and every caller reaches the hook — call-time lookups, names bound before
+  ``enable()`` (``from torch.nn.attention.flex_attention import flex_attention``), ``torch.compile(flex_attention)``
+  objects made before it, class attributes, partials. The hook's forward and pass-throughs run
+  ``flex_reach``'s copy of the original (``ops/flex.original_flex``). Where the swap is refused, only the module
+  attribute is replaced, and the bindings that keep the original are named once (WARNING) and in
+  ``Handle.installed["flex"]``;
 * replaces HF's ``AttentionInterface`` entry ``"flex_attention"`` (looked up at every layer call) by
   ``hf_flex_attention_forward`` — now if ``transformers.modeling_utils`` is loaded, else right after it is
-  imported. HF's own function binds ``flex_attention`` at import and builds its ``score_mod`` as a closure
-  that a compiled region cannot read; this hook knows the softcap from its arguments, builds the same
-  ``score_mod`` and runs HF's own (compiled) flex call as the forward. Calls it does not take (an additive
-  score mask, a position bias, attention sinks ``s_aux``, dropout, no gradient) go to HF's function unchanged.
+  imported. HF's own function asks flex for its LSE as an output and builds its ``score_mod`` as a closure that
+  a compiled region cannot read; this hook knows the softcap from its arguments, builds the same ``score_mod``
+  and runs HF's own (compiled) flex call as the forward, asking it for the LSE where HF itself would (not on
+  CPU, where Inductor's flex returns none). Calls it does not take (an additive score mask, a position bias,
+  attention sinks ``s_aux``, dropout, no gradient) go to HF's function unchanged.
 
 ``uninstall()`` restores both by identity (a later replacement by someone else is left in place, with a
 warning). ``flex_is_supported()`` says whether this torch has FlexAttention at all.
@@ -22,37 +26,29 @@ import functools
 import importlib.util
 import logging
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from .. import config as _config
 from .. import telemetry
 from ..backends import compat
-from . import restore_by_identity
+from . import flex_reach, restore_by_identity
 from ..ops import flex as flex_op
+from .flex_reach import flex_attention  # noqa: F401 - the hook's flex_attention (public)
 
 logger = logging.getLogger("gproj_patch")
 
 HF_NAME = "flex_attention"
 _MISSING = object()
-_saved = None          # the object torch's flex_attention module attribute held before install()
+_reach: Optional[flex_reach.Reach] = None  # what install() did to torch's flex_attention
+_last_report: Optional[str] = None  # the fallback's status last logged (logged again only when it changes)
 _hf_saved = _MISSING   # HF's registry entry before install() (restored by identity)
 _pending = None        # the import hook waiting for transformers.modeling_utils
 
 
 def flex_is_supported() -> bool:
     return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
-
-
-def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                   return_lse=False, kernel_options=None, *, return_aux=None):
-    """``torch.nn.attention.flex_attention.flex_attention`` with the corrected backward (``ops/flex.py``)."""
-    return flex_op.flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
-                        return_aux=return_aux)
-
-
-flex_attention.__gproj_patched__ = True
 
 
 def _hf_unsupported_reason(query, attention_mask, s_aux, position_bias, kwargs) -> Optional[str]:
@@ -96,10 +92,10 @@ def hf_flex_attention_forward(module, query, key, value, attention_mask, scaling
         layer = f"{type(module).__name__}.{module.layer_idx}"
     score_mod = None if softcap is None else flex_op.softcap_score_mod(softcap)
     forward_fn = functools.partial(hf_flex.compile_friendly_flex_attention, training=module.training)
+    caller = flex_op.Caller(declared_softcap=None if softcap is None else float(softcap), forward_fn=forward_fn,
+                            forward_lse=query.device.type != "cpu", layer=layer)  # HF's own rule for the LSE
     out = flex_op.flex(query, key, value, score_mod=score_mod, block_mask=attention_mask, scale=scaling,
-                       enable_gqa=enable_gqa, kernel_options=kwargs.get("kernel_options"),
-                       declared_softcap=None if softcap is None else float(softcap), forward_fn=forward_fn,
-                       layer=layer)
+                       enable_gqa=enable_gqa, kernel_options=kwargs.get("kernel_options"), caller=caller)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -108,12 +104,30 @@ def _load_compiled_path() -> None:
 
 
 def is_installed() -> bool:
-    return _saved is not None
+    return _reach is not None
+
+
+def _module_globals_holding(fn) -> List[str]:
+    """"module.name" of every module global (torch's and this package's excepted) that holds ``fn``, HF's flex
+    module excepted (its calls go through the registry entry hooked below)."""
+    from .sdpa import find_bound_names
+    return [f"{module_name}.{name}" for _, module_name, name in find_bound_names(fn)
+            if module_name != "transformers.integrations.flex_attention"]
+
+
+def _report(reach: flex_reach.Reach) -> None:
+    """Log once (again only when it changes) what the fallback did not reach; nothing when the swap was made."""
+    global _last_report
+    status = reach.status()
+    if reach.swapped or status == _last_report:
+        return
+    logger.warning("flex: %s", status)
+    _last_report = status
 
 
 def install() -> str:
-    global _saved, _pending
-    if _saved is not None:
+    global _reach, _pending
+    if _reach is not None:
         return "installed"
     if not flex_is_supported():
         return "skipped: this torch has no torch.nn.attention.flex_attention"
@@ -123,17 +137,17 @@ def install() -> str:
     # 1.3 s): load it when Dynamo is imported (torch.compile does that first), not at every enable()
     from ..import_hooks import call_after_import
     call_after_import("torch._dynamo", _load_compiled_path)
-    current = fa_module.flex_attention
-    _saved = current
-    flex_op.set_original(None if getattr(current, "__gproj_patched__", False) else current)
-    fa_module.flex_attention = flex_attention
+    _reach = flex_reach.install(fa_module, _module_globals_holding)
+    flex_op.set_original(_reach.original)
+    _report(_reach)
+    status = _reach.status()
     if "transformers.modeling_utils" in sys.modules:
         _register_hf()
     elif importlib.util.find_spec("transformers") is not None:
-        from ..import_hooks import call_after_import
         _pending = call_after_import("transformers.modeling_utils", _register_on_import)
-        return "installed (HF's 'flex_attention' hooked when transformers.modeling_utils is imported)"
-    return "installed"
+        if _reach.swapped:
+            return "installed (HF's 'flex_attention' hooked when transformers.modeling_utils is imported)"
+    return status
 
 
 def _register_on_import() -> None:
@@ -162,7 +176,7 @@ def _register_hf() -> None:
 
 
 def uninstall() -> None:
-    global _saved, _pending, _hf_saved
+    global _reach, _pending, _hf_saved
     if _pending is not None:
         _pending.cancel()
         _pending = None
@@ -171,13 +185,12 @@ def uninstall() -> None:
         mapping = compat.hf_registry_mapping(AttentionInterface)
         restore_by_identity(mapping, HF_NAME, hf_flex_attention_forward, _hf_saved, "HF's 'flex_attention' entry")
         _hf_saved = _MISSING
-    if _saved is None:
+    if _reach is None:
         return
     import torch.nn.attention.flex_attention as fa_module
-    restore_by_identity(vars(fa_module), "flex_attention", flex_attention, _saved,
-                        "torch.nn.attention.flex_attention.flex_attention")
+    flex_reach.uninstall(fa_module, _reach)
     flex_op.set_original(None)
-    _saved = None
+    _reach = None
 
 
 # ---- the audit's flex backends (``audit.backends.available_backends`` adds what ``audit_backends`` returns) --

@@ -23,6 +23,7 @@ enclosing activation checkpoint never packs them); the inner graph is dropped at
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
@@ -191,21 +192,41 @@ class FlexCall:
     enable_gqa: bool
     kernel_options: Optional[dict]
     forward_fn: Callable  # (q, k, v, score_mod=, block_mask=, scale=, enable_gqa=, kernel_options=, return_aux=)
+    forward_lse: bool = True  # ask forward_fn for the LSE (HF's Inductor-compiled flex on CPU has none)
+
+
+class _OwnForward(threading.local):
+    """``active`` while the hook runs its forward function itself. A compiled flex it calls (HF's
+    ``torch.compile(flex_attention)``) runs this hook again, traced, and passes the call through (it asks for the
+    LSE, or runs without grad): a pass-through that is the hook's own, not a fallback to report
+    (``flex_compiled._note_trace_reason`` reads this at trace time only, so no Dynamo guard depends on it)."""
+    active = False
+
+
+OWN_FORWARD = _OwnForward()
 
 
 def run_forward(call: FlexCall, q, k, v, keep_graph: bool):
-    """(output, LSE, (inner output, aliases) or None) of the original forward (module docstring). The LSE is
-    always asked for (the kernel needs it; on CPU the Triton interpreter can run the kernel too)."""
+    """(output, LSE or None, (inner output, aliases) or None) of the original forward (module docstring). The LSE
+    is asked for unless ``call.forward_lse`` is False (the kernel needs it; on CPU the Triton interpreter can run
+    the kernel too; without it the router takes the FP32 tier)."""
     from torch.nn.attention.flex_attention import AuxRequest
     with_grad = q.device.type not in NO_FLEX_BACKWARD  # where flex has a backward: the unpatched graph
     kwargs = dict(score_mod=call.score_mod, block_mask=call.block_mask, scale=call.scale,
-                  enable_gqa=call.enable_gqa, kernel_options=call.kernel_options, return_aux=AuxRequest(lse=True))
+                  enable_gqa=call.enable_gqa, kernel_options=call.kernel_options)
+    if call.forward_lse:
+        kwargs["return_aux"] = AuxRequest(lse=True)
     grad_mode = torch.enable_grad() if with_grad else torch.no_grad()
-    with grad_mode, torch.autograd.graph.saved_tensors_hooks(_detach_pack, _identity_unpack):
-        aliases = tuple(t.detach().requires_grad_(with_grad) for t in (q, k, v))
-        inner, aux = call.forward_fn(*aliases, **kwargs)
+    outer, OWN_FORWARD.active = OWN_FORWARD.active, True
+    try:
+        with grad_mode, torch.autograd.graph.saved_tensors_hooks(_detach_pack, _identity_unpack):
+            aliases = tuple(t.detach().requires_grad_(with_grad) for t in (q, k, v))
+            result = call.forward_fn(*aliases, **kwargs)
+    finally:
+        OWN_FORWARD.active = outer
+    inner, lse = (result[0], result[1].lse.detach()) if call.forward_lse else (result, None)
     kept = (inner, aliases) if keep_graph and with_grad else None
-    return inner.detach(), aux.lse.detach(), kept
+    return inner.detach(), lse, kept
 
 
 class _FlexFunction(torch.autograd.Function):
@@ -231,17 +252,30 @@ def needs_correction(q, k, v, mode: str) -> bool:
             and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
-def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
-         kernel_options=None, *, return_aux=None, declared_softcap: Optional[float] = None,
-         forward_fn: Optional[Callable] = None, layer: Optional[str] = None, cfg: Optional[Config] = None):
-    """``flex_attention``'s semantics; the corrected backward where it is exact (module docstring).
+@dataclass(frozen=True)
+class Caller:
+    """What a hook that is not torch's ``flex_attention`` itself tells ``flex`` (the HF hook).
 
-    ``declared_softcap``: the caller built ``score_mod`` as exactly that softcap (HF hook). ``forward_fn``: the
-    function that computes the forward (default: the original flex_attention; the HF hook passes HF's compiled
-    one). ``layer`` names the call for the policy when no ``layer_scope`` is open."""
+    ``declared_softcap``: it built ``score_mod`` as exactly that softcap. ``forward_fn``: the function that
+    computes the forward (None: the original flex_attention; the HF hook passes HF's compiled one).
+    ``forward_lse``: whether to ask that function for the LSE (eager calls; False where it has none).
+    ``layer``: the call's name for the policy when no ``layer_scope`` is open."""
+    declared_softcap: Optional[float] = None
+    forward_fn: Optional[Callable] = None
+    forward_lse: bool = True
+    layer: Optional[str] = None
+
+
+FLEX_ATTENTION = Caller()  # a call of flex_attention itself
+
+
+def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
+         kernel_options=None, *, return_aux=None, caller: Caller = FLEX_ATTENTION, cfg: Optional[Config] = None):
+    """``flex_attention``'s semantics; the corrected backward where it is exact (module docstring). ``caller``:
+    see ``Caller``; ``cfg``: the options when the patch is not enabled (the audit)."""
     from .. import config
     cfg = config.active() or cfg or DEFAULT_CONFIG
-    fwd = forward_fn or original_flex()
+    fwd = caller.forward_fn or original_flex()
 
     def passthrough():
         return fwd(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
@@ -251,12 +285,12 @@ def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_
     if torch.compiler.is_compiling():
         from .flex_compiled import compiled_flex
         return compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
-                             kernel_options, return_aux, declared_softcap=declared_softcap, forward_fn=fwd,
-                             layer=layer, cfg=cfg, passthrough=passthrough)
+                             kernel_options, return_aux, caller=caller, forward_fn=fwd, cfg=cfg,
+                             passthrough=passthrough)
     reason = unsupported_reason(query, key, value, block_mask, enable_gqa, return_lse, return_aux)
     softcap = 0.0
     if reason is None:
-        softcap, reason = score_mod_softcap(score_mod, declared_softcap)
+        softcap, reason = score_mod_softcap(score_mod, caller.declared_softcap)
     verdict = NO_MASK
     if reason is None:
         verdict = mask_verdict(block_mask, query, key)
@@ -265,6 +299,7 @@ def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_
         telemetry.record_forward("original", reason, telemetry.shape_class(SOURCE, query, key))
         return passthrough()
     telemetry.record_forward("patched")
-    record = CallRecord(problem_for(verdict, softcap, scale, query.shape[-1]), make_context(SOURCE, layer, cfg))
-    call = FlexCall(score_mod, block_mask, scale, bool(enable_gqa), kernel_options, fwd)
+    record = CallRecord(problem_for(verdict, softcap, scale, query.shape[-1]),
+                        make_context(SOURCE, caller.layer, cfg))
+    call = FlexCall(score_mod, block_mask, scale, bool(enable_gqa), kernel_options, fwd, caller.forward_lse)
     return _FlexFunction.apply(query, key, value, call, record)

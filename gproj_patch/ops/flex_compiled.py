@@ -33,7 +33,7 @@ from .. import telemetry
 from ..config import Config
 from ..record import CallRecord, make_context
 from ..router import kernel_reason
-from .flex import SOURCE, problem_for, routed_backward, unsupported_reason
+from .flex import OWN_FORWARD, SOURCE, Caller, problem_for, routed_backward, unsupported_reason
 from .flex_masks import (INCONSISTENT, NO_MASK, BlockMaps, BlockStructure, MaskVerdict, Rows, classify,
                          evaluate_chunk, grid, structure_reason)
 from .sdpa_compiled import _CONTEXTS, _intern
@@ -44,8 +44,10 @@ MAX_COMPILED_MASK_ELEMENTS = 1 << 28  # b·h·Sq·Sk mask_mod evaluations in one
 
 @torch._dynamo.assume_constant_result
 def _note_trace_reason(reason: str) -> bool:
-    """Log (once) and count a pass-through decided while tracing."""
-    telemetry.note_reason(reason, (SOURCE, "compile"))
+    """Log (once) and count a pass-through decided while tracing, unless it is the hook's own forward (a compiled
+    flex the eager hook calls: ``flex.OWN_FORWARD``; read here, at trace time, so that no guard depends on it)."""
+    if not OWN_FORWARD.active:
+        telemetry.note_reason(reason, (SOURCE, "compile"))
     return True
 
 
@@ -160,14 +162,14 @@ def _compiled_reason(q, k, score_mod, block_mask, declared_softcap) -> Optional[
 
 
 def compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
-                  return_aux, *, declared_softcap: Optional[float], forward_fn, layer: Optional[str], cfg: Config,
-                  passthrough):
+                  return_aux, *, caller: Caller, forward_fn, cfg: Config, passthrough):
+    """``flex.flex`` inside a compiled region (module docstring); ``forward_fn``: the forward it resolved."""
     reason = unsupported_reason(query, key, value, block_mask, enable_gqa, return_lse, return_aux)
     if reason is None:
-        reason = _compiled_reason(query, key, score_mod, block_mask, declared_softcap)
+        reason = _compiled_reason(query, key, score_mod, block_mask, caller.declared_softcap)
     if reason is not None:
         _note_trace_reason(reason)
         return passthrough()
-    softcap = 0.0 if declared_softcap is None else float(declared_softcap)
+    softcap = 0.0 if caller.declared_softcap is None else float(caller.declared_softcap)
     return _CompiledFlexFunction.apply(query, key, value, score_mod, block_mask, scale, bool(enable_gqa),
-                                       kernel_options, forward_fn, softcap, layer or "", cfg.mode)
+                                       kernel_options, forward_fn, softcap, caller.layer or "", cfg.mode)
