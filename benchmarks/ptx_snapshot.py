@@ -165,10 +165,13 @@ def _ast_source(fn):
 
 
 _DEBUG_SECTION = re.compile(r"^\s*\.section\s+\.debug")
+#: labels only the debug sections refer to (the start/end of each inlined function's code)
+_DEBUG_LABEL = re.compile(r"^\$L__tmp\d+:$")
 
 
 def strip_line_info(ptx: str) -> str:
-    """PTX without ``.loc``/``.file`` directives and ``.debug_*`` sections: what moving code by lines changes."""
+    """PTX without ``.loc``/``.file`` directives, ``.debug_*`` sections and the ``$L__tmp`` labels they use (the
+    bounds of each inlined helper's code): what moving code between lines and helpers changes."""
     out: List[str] = []
     depth = 0
     in_debug = False
@@ -185,7 +188,7 @@ def strip_line_info(ptx: str) -> str:
                 in_debug = False
             continue
         stripped = line.strip()
-        if stripped.startswith(".loc") or stripped.startswith(".file"):
+        if stripped.startswith(".loc") or stripped.startswith(".file") or _DEBUG_LABEL.match(stripped):
             continue
         out.append(line)
     return "\n".join(out) + "\n"

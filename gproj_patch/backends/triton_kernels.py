@@ -11,13 +11,29 @@
   dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ ("fused").
 
 ``DOT_PRECISION``: the ``tl.dot`` input precision, "tf32" (Triton's default; irrelevant for bf16/fp16 operands)
-or ``triton_bwd.FP32_DOT_PRECISION`` for the FP32 tier's fp32 inputs ("tf32x3": fp32-level, on the tensor cores). Masks (causal in both alignments,
-window) are a window (left, right) around the diagonal ``i + shift``; causal is right = 0. Each loop is split
-into masked edge tiles and unmasked interior tiles. ``triton_bwd`` loads this module twice when needed, compiled
-(CUDA) and interpreted (``TRITON_INTERPRET=1``, CPU tensors); do not import it directly.
+or ``triton_bwd.FP32_DOT_PRECISION`` for the FP32 tier's fp32 inputs ("tf32x3": fp32-level, on the tensor cores).
+Masks (causal in both alignments, window) are a window (left, right) around the diagonal ``i + shift``; causal is
+right = 0. A program walks its tiles in three ranges, masked edge / unmasked interior / masked edge, through one
+loop per kernel (``_dq_tiles``, ``_dkdv_tiles``); constexpr flags are passed by keyword at every call. The
+launches' arguments: ``triton_launch.kernel_arguments``. ``triton_bwd`` loads this module twice when needed,
+compiled (CUDA) and interpreted (``TRITON_INTERPRET=1``, CPU tensors); do not import it directly.
 """
 import triton
 import triton.language as tl
+
+#: log2(e) = 1/ln 2: exp(x) = 2^(x·RCP_LN2), and a natural-log LSE becomes a base-2 one
+RCP_LN2 = tl.constexpr(1.4426950408889634)
+#: −2/ln 2: e^(−2|y|) = 2^(|y|·NEG_2_RCP_LN2), the exponential of tanh(|y|) = (1 − e^(−2|y|)) / (1 + e^(−2|y|))
+NEG_2_RCP_LN2 = tl.constexpr(-2.8853900817779268)
+#: below this |y| (1/16), tanh's odd series y − y³/3 + 2y⁵/15 replaces the exp2 form, whose 1 − e^(−2|y|) cancels
+TANH_SERIES_BELOW = tl.constexpr(0.0625)
+#: the series' coefficients: tanh y = y·(1 − y²·(TANH_C3 − y²·TANH_C5)) + O(y⁷)
+TANH_C3 = tl.constexpr(0.3333333333333333)  # 1/3
+TANH_C5 = tl.constexpr(0.13333333333333333)  # 2/15
+#: columns of the dQ-major row-sum accumulator (tl.dot's smallest N): column 0 gathers ρ = Σ t, column 1 m = Σ r
+ROWSUM_WIDTH = tl.constexpr(16)
+RHO_COL = tl.constexpr(0)
+MASS_COL = tl.constexpr(1)
 
 
 @triton.jit
@@ -65,13 +81,14 @@ def _load_rows(A, sa_s, sa_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
 @triton.jit
 def _load_pair(A, B, sa_s, sa_d, sb_s, sb_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
     """Two tiles of the same rows (``_load_rows``)."""
-    a = _load_rows(A, sa_s, sa_d, offs, n, offs_d, HEAD_DIM, EVEN)
-    b = _load_rows(B, sb_s, sb_d, offs, n, offs_d, HEAD_DIM, EVEN)
+    a = _load_rows(A, sa_s, sa_d, offs, n, offs_d, HEAD_DIM, EVEN=EVEN)
+    b = _load_rows(B, sb_s, sb_d, offs, n, offs_d, HEAD_DIM, EVEN=EVEN)
     return a, b
 
 
 @triton.jit
 def _store_tile(P, x, s_s, s_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
+    """``x`` stored in P's dtype to rows ``offs`` (rows >= n and columns >= HEAD_DIM left alone)."""
     if EVEN:
         tl.store(P + offs[:, None] * s_s + offs_d[None, :] * s_d, x.to(P.dtype.element_ty))
     else:
@@ -87,14 +104,17 @@ def _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LS
     D = rowsum(dO ∘ O) in fp32 from the saved output; LSE2 = LSE·log2 e, +inf where the LSE is -inf (rows that
     saw no key) and on rows past the end; T = P_sink·D with a sink (P_sink = 0 where LSE2 = +inf), else 0."""
     inside = offs_m < q_len
-    o = _load_rows(O_base, so_s, so_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN)
+    o = _load_rows(O_base, so_s, so_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN)
+    # D_i = Σ_d dO_id·O_id (fp32): the row sum of P∘dP, from the saved output (FA's preprocess)
     delta = _rowsum(o.to(tl.float32) * do.to(tl.float32))
+    # base-2 LSE; a row that saw no key (LSE = -inf) gets +inf, so every P = 2^(s − LSE2) of it is exactly 0
     lse = tl.load(LSE_base + offs_m * sl_s, mask=inside, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
     tl.store(Delta + row, delta, mask=inside)
     tl.store(LSE2 + row, lse2, mask=inside)
     if HAS_SINK:
-        sink2 = tl.load(SINK + h * ssink).to(tl.float32) * 1.4426950408889634
+        # T_i = P_sink,i·D_i, P_sink = 2^(s_h·log2 e − LSE2_i): the exact row sum of dS with a sink
+        sink2 = tl.load(SINK + h * ssink).to(tl.float32) * RCP_LN2
         target = tl.math.exp2(sink2 - lse2) * delta  # lse2 = +inf (row saw nothing, not even the sink): 0
         tl.store(TGT + row, target, mask=inside)
     else:
@@ -109,57 +129,62 @@ def _probs(s, lse2b, scale_log2, cap_in, cap_out, SOFTCAP: tl.constexpr):
     Softcap: score = c·tanh(α s / c); ``cap_in`` = α / c, ``cap_out`` = c·log2(e). tanh from exp2 (no
     overflow), with a short series for |y| < 1/16 where 1 − e^{−2|y|} would cancel."""
     if SOFTCAP:
-        y = s * cap_in
+        y = s * cap_in  # y = α s / c
         ay = tl.abs(y)
-        e = tl.math.exp2(ay * -2.8853900817779268)
-        th = (1.0 - e) / (1.0 + e)
+        e = tl.math.exp2(ay * NEG_2_RCP_LN2)  # e^(−2|y|) ∈ (0, 1]: no overflow
+        th = (1.0 - e) / (1.0 + e)  # tanh |y|
         y2 = ay * ay
-        th = tl.where(ay < 0.0625, ay * (1.0 - y2 * (0.3333333333333333 - y2 * 0.13333333333333333)), th)
-        th = tl.where(y < 0.0, -th, th)
-        p = tl.math.exp2(th * cap_out - lse2b)
-        tau = 1.0 - th * th
+        th = tl.where(ay < TANH_SERIES_BELOW, ay * (1.0 - y2 * (TANH_C3 - y2 * TANH_C5)), th)
+        th = tl.where(y < 0.0, -th, th)  # tanh is odd
+        p = tl.math.exp2(th * cap_out - lse2b)  # P = exp(c·tanh y − LSE), in base 2
+        tau = 1.0 - th * th  # τ' = d tanh / dy: the chain rule from the capped score to s
     else:
-        p = tl.math.exp2(s * scale_log2 - lse2b)
+        p = tl.math.exp2(s * scale_log2 - lse2b)  # P = exp(α s − LSE), in base 2
         tau = p  # unused
     return p, tau
 
 
 @triton.jit
-def _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
-             K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right, scale_log2,
-             cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP: tl.constexpr,
-             MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
-             EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    k, v = _load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM, EVEN_N and EVEN_D)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    p, tau = _probs(s, lse2[:, None], scale_log2, cap_in, cap_out, SOFTCAP)
-    if MASK:
-        vis = offs_n[None, :] < k_len
-        diag = offs_m[:, None] + shift
-        if HAS_R:
-            vis = vis & (offs_n[None, :] <= diag + win_right)
-        if HAS_L:
-            vis = vis & (offs_n[None, :] >= diag - win_left)
-        p = tl.where(vis, p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    ds = p * (dp - delta[:, None])  # gradient w.r.t. the (capped) score: zero row sum
-    if SOFTCAP:
-        t = (ds * tau).to(q.dtype)
-    else:
-        t = ds.to(q.dtype)
-    acc = tl.dot(t, k, acc, input_precision=DOT_PRECISION)
-    if CORRECT:
-        r = p.to(q.dtype)
+def _dq_tiles(acc, racc, sacc, start, end, q, do, lse2, delta, e0, e1, col, offs_m,
+              K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right, scale_log2,
+              cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP: tl.constexpr,
+              MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
+              EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The key tiles [start, end) of a dQ-major program: acc += t·K, and with ``CORRECT`` racc += r·K (w·K under a
+    softcap) and the row sums ρ, m in ``sacc``'s columns RHO_COL, MASS_COL. ``MASK``: the tiles cross the window's
+    edge or the end of the keys (``where`` on P); ``EVEN_N``: no tile runs past the last key (unmasked loads)."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k, v = _load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM,
+                          EVEN=EVEN_N and EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw scores q·kᵀ (fp32 accumulation)
+        p, tau = _probs(s, lse2[:, None], scale_log2, cap_in, cap_out, SOFTCAP=SOFTCAP)
+        if MASK:  # key j visible from row i iff j < k_len and diag − left ≤ j ≤ diag + right, diag = i + shift
+            vis = offs_n[None, :] < k_len
+            diag = offs_m[:, None] + shift
+            if HAS_R:
+                vis = vis & (offs_n[None, :] <= diag + win_right)
+            if HAS_L:
+                vis = vis & (offs_n[None, :] >= diag - win_left)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # dP = dO·Vᵀ
+        ds = p * (dp - delta[:, None])  # gradient w.r.t. the (capped) score: zero row sum
         if SOFTCAP:
-            # row mass in capped-score units (t/τ', or the unrounded gradient where τ' = 0); w = low(r τ')
-            mass = tl.where(tau > 0.0, t.to(tl.float32) / tl.where(tau > 0.0, tau, 1.0), ds)
-            sacc = sacc + tl.where(col[None, :] == 0, _rowsum(mass)[:, None], 0.0)
-            racc = tl.dot((r.to(tl.float32) * tau).to(q.dtype), k, racc, input_precision=DOT_PRECISION)
+            t = (ds * tau).to(q.dtype)  # t = low(dS∘τ'): the gradient w.r.t. the raw score, rounded once
         else:
-            sacc = tl.dot(t, e0, sacc, input_precision=DOT_PRECISION)
-            racc = tl.dot(r, k, racc, input_precision=DOT_PRECISION)
-        sacc = tl.dot(r, e1, sacc, input_precision=DOT_PRECISION)
+            t = ds.to(q.dtype)  # t = low(dS): the operand a fused backward rounds
+        acc = tl.dot(t, k, acc, input_precision=DOT_PRECISION)  # Σ_j t_ij k_j (fp32)
+        if CORRECT:
+            r = p.to(q.dtype)  # r = low(P): the operand the dV product already rounds
+            if SOFTCAP:
+                # row mass in capped-score units (t/τ', or the unrounded gradient where τ' = 0); w = low(r τ')
+                mass = tl.where(tau > 0.0, t.to(tl.float32) / tl.where(tau > 0.0, tau, 1.0), ds)
+                sacc = sacc + tl.where(col[None, :] == RHO_COL, _rowsum(mass)[:, None], 0.0)
+                racc = tl.dot((r.to(tl.float32) * tau).to(q.dtype), k, racc, input_precision=DOT_PRECISION)
+            else:
+                sacc = tl.dot(t, e0, sacc, input_precision=DOT_PRECISION)  # ρ_i += Σ_j t_ij (tensor cores)
+                racc = tl.dot(r, k, racc, input_precision=DOT_PRECISION)  # Σ_j r_ij k_j
+            sacc = tl.dot(r, e1, sacc, input_precision=DOT_PRECISION)  # m_i += Σ_j r_ij
     return acc, racc, sacc
 
 
@@ -180,7 +205,7 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) blocks first
     h = tl.program_id(1)
     z = tl.program_id(2)
-    b64, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, z, SQ, SK, VARLEN)
+    b64, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, z, SQ, SK, VARLEN=VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < q_len:
         if BOTTOM_RIGHT:
@@ -196,19 +221,21 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
         V_base = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_s
         row = (b64 * H + h) * SQ + q_start + offs_m
         q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
-                           EVEN_M and EVEN_D)
+                           EVEN=EVEN_M and EVEN_D)
         O_base = O + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_s
         LSE_base = LSE + b64 * sl_b + h.to(tl.int64) * sl_h + q_start.to(tl.int64) * sl_s
         delta, lse2, target = _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LSE2, TGT,
-                                         row, offs_m, q_len, offs_d, HEAD_DIM, HAS_SINK, EVEN_M and EVEN_D)
+                                         row, offs_m, q_len, offs_d, HEAD_DIM, HAS_SINK=HAS_SINK,
+                                         EVEN=EVEN_M and EVEN_D)
 
-        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-        racc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-        sacc = tl.full([BLOCK_M, 16], 0.0, tl.float32)
-        col = tl.arange(0, 16)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)  # Σ t·K
+        racc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)  # Σ r·K (Σ w·K under a softcap)
+        sacc = tl.full([BLOCK_M, ROWSUM_WIDTH], 0.0, tl.float32)  # ρ in column RHO_COL, m in MASS_COL
+        col = tl.arange(0, ROWSUM_WIDTH)
         nn = tl.arange(0, BLOCK_N)
-        e0 = tl.where((nn[:, None] >= 0) & (col[None, :] == 0), 1.0, 0.0).to(q.dtype)
-        e1 = tl.where((nn[:, None] >= 0) & (col[None, :] == 1), 1.0, 0.0).to(q.dtype)
+        # one-hot (BLOCK_N × ROWSUM_WIDTH) matrices: t·e0 puts Σ_j t_ij into column RHO_COL, r·e1 Σ_j r_ij into MASS_COL
+        e0 = tl.where((nn[:, None] >= 0) & (col[None, :] == RHO_COL), 1.0, 0.0).to(q.dtype)
+        e1 = tl.where((nn[:, None] >= 0) & (col[None, :] == MASS_COL), 1.0, 0.0).to(q.dtype)
 
         # key range [lo, hi) seen by rows [m0, m0 + BLOCK_M), and the fully visible tiles [full_lo, full_hi)
         lo = z * 0
@@ -233,28 +260,31 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
             full_hi = tl.minimum(full_hi, (k_len // BLOCK_N) * BLOCK_N)
         full_hi = tl.maximum(full_hi, full_lo)
 
-        for start_n in range(lo, full_lo, BLOCK_N):
-            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
-                                       K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
-                                       win_right, scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP,
-                                       True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N, DOT_PRECISION)
-        for start_n in range(full_lo, full_hi, BLOCK_N):
-            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
-                                       K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
-                                       win_right, scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP,
-                                       False, HAS_L, HAS_R, CORRECT, True, EVEN_D, BLOCK_N, DOT_PRECISION)
-        for start_n in range(full_hi, hi, BLOCK_N):
-            acc, racc, sacc = _dq_tile(acc, racc, sacc, q, do, lse2, delta, e0, e1, col, offs_m, start_n,
-                                       K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left,
-                                       win_right, scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP,
-                                       True, HAS_L, HAS_R, CORRECT, False, EVEN_D, BLOCK_N, DOT_PRECISION)
+        # left edge [lo, full_lo) masked, interior [full_lo, full_hi) unmasked, right edge [full_hi, hi) masked
+        acc, racc, sacc = _dq_tiles(acc, racc, sacc, lo, full_lo, q, do, lse2, delta, e0, e1, col, offs_m,
+                                    K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right,
+                                    scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, MASK=True,
+                                    HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=False, EVEN_D=EVEN_D,
+                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+        acc, racc, sacc = _dq_tiles(acc, racc, sacc, full_lo, full_hi, q, do, lse2, delta, e0, e1, col, offs_m,
+                                    K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right,
+                                    scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, MASK=False,
+                                    HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=True, EVEN_D=EVEN_D,
+                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+        acc, racc, sacc = _dq_tiles(acc, racc, sacc, full_hi, hi, q, do, lse2, delta, e0, e1, col, offs_m,
+                                    K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right,
+                                    scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, MASK=True,
+                                    HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=False, EVEN_D=EVEN_D,
+                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
 
         if CORRECT:
-            rho = _rowsum(tl.where(col[None, :] == 0, sacc, 0.0))
-            msum = _rowsum(tl.where(col[None, :] == 1, sacc, 0.0))
+            rho = _rowsum(tl.where(col[None, :] == RHO_COL, sacc, 0.0))  # ρ_i = Σ_j t_ij
+            msum = _rowsum(tl.where(col[None, :] == MASS_COL, sacc, 0.0))  # m_i = Σ_j r_ij
             if HAS_SINK:  # the exact row sum of dS is the target T = P_sink·D, not 0
                 rho = rho - target
+            # λ_i = (ρ_i − T_i) / m_i: the multiple of r_i that carries the row sum t_i should not have (0: no mass)
             lam = tl.where(msum > 0.0, rho / tl.where(msum > 0.0, msum, 1.0), 0.0)
+            # the projection t − λ·r, applied to the fp32 products (Σ t·K − λ·Σ r·K), never rounded again
             dq = (acc - lam[:, None] * racc) * scale
             if EVEN_M:
                 tl.store(LAM + row, lam)
@@ -263,56 +293,63 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
         else:
             dq = acc * scale
         _store_tile(DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s, dq, sdq_s, sdq_d,
-                    offs_m, q_len, offs_d, HEAD_DIM, EVEN_M and EVEN_D)
+                    offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
-               LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right, scale_log2, cap_in, cap_out,
-               offs_d, HEAD_DIM, SOFTCAP: tl.constexpr, COLMASK: tl.constexpr, MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
-               FUSED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
-                       EVEN_M and EVEN_D)
-    if EVEN_M:
-        lse2 = tl.load(LSE2 + row0 + offs_m)
-        delta = tl.load(Delta + row0 + offs_m)
-        if CORRECT:
-            lam = tl.load(LAM + row0 + offs_m)
-    else:
-        lse2 = tl.load(LSE2 + row0 + offs_m, mask=offs_m < q_len, other=float("inf"))
-        delta = tl.load(Delta + row0 + offs_m, mask=offs_m < q_len, other=0.0)
-        if CORRECT:
-            lam = tl.load(LAM + row0 + offs_m, mask=offs_m < q_len, other=0.0)
-    sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-    pT, tauT = _probs(sT, lse2[None, :], scale_log2, cap_in, cap_out, SOFTCAP)
-    if COLMASK:  # keys past the end (padding of the last tile): keep their scratch P finite
-        pT = tl.where(offs_n[:, None] < k_len, pT, 0.0)
-    if MASK:
-        diag = offs_m[None, :] + shift
-        vis = offs_m[None, :] < q_len
-        if HAS_R:
-            vis = vis & (offs_n[:, None] <= diag + win_right)
-        if HAS_L:
-            vis = vis & (offs_n[:, None] >= diag - win_left)
-        pT = tl.where(vis, pT, 0.0)
-    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    rT = pT.to(q.dtype)
-    dv = tl.dot(rT, do, dv, input_precision=DOT_PRECISION)
-    if CORRECT and FUSED:
-        gT = pT * (dpT - delta[None, :] - lam[None, :])  # t − λr before any rounding, rounded once
-    else:
-        gT = pT * (dpT - delta[None, :])
-    if SOFTCAP:
-        gT = gT * tauT
-    dk = tl.dot(gT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    if CORRECT and not FUSED:
-        if SOFTCAP:
-            wT = (rT.to(tl.float32) * tauT).to(q.dtype)
+def _dkdv_tiles(dk, dv, k, v, start, end, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
+                LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right, scale_log2, cap_in, cap_out,
+                offs_d, HEAD_DIM, SOFTCAP: tl.constexpr, COLMASK: tl.constexpr, MASK: tl.constexpr,
+                HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr, FUSED: tl.constexpr,
+                EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The query tiles [start, end) of one query head in a KV-major program, transposed (keys along the rows):
+    dv += low(Pᵀ)·dO and dk += the projected tᵀ·Q. ``COLMASK``: zero P on keys past the end; ``MASK``: the
+    tiles cross the window's edge or the end of the rows; ``EVEN_M``: no tile runs past the last row."""
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
+                           EVEN=EVEN_M and EVEN_D)
+        # the rows' base-2 LSE, D and λ from the dQ-major launch (rows past the end: P = 0, no D, no λ)
+        if EVEN_M:
+            lse2 = tl.load(LSE2 + row0 + offs_m)
+            delta = tl.load(Delta + row0 + offs_m)
+            if CORRECT:
+                lam = tl.load(LAM + row0 + offs_m)
         else:
-            wT = rT
-        dk = tl.dot((-(lam[None, :] * wT.to(tl.float32))).to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+            lse2 = tl.load(LSE2 + row0 + offs_m, mask=offs_m < q_len, other=float("inf"))
+            delta = tl.load(Delta + row0 + offs_m, mask=offs_m < q_len, other=0.0)
+            if CORRECT:
+                lam = tl.load(LAM + row0 + offs_m, mask=offs_m < q_len, other=0.0)
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # Sᵀ = K·Qᵀ (raw scores, fp32)
+        pT, tauT = _probs(sT, lse2[None, :], scale_log2, cap_in, cap_out, SOFTCAP=SOFTCAP)
+        if COLMASK:  # keys past the end (padding of the last tile): keep their scratch P finite
+            pT = tl.where(offs_n[:, None] < k_len, pT, 0.0)
+        if MASK:  # key j visible from row i iff i < q_len and diag − left ≤ j ≤ diag + right, diag = i + shift
+            diag = offs_m[None, :] + shift
+            vis = offs_m[None, :] < q_len
+            if HAS_R:
+                vis = vis & (offs_n[:, None] <= diag + win_right)
+            if HAS_L:
+                vis = vis & (offs_n[:, None] >= diag - win_left)
+            pT = tl.where(vis, pT, 0.0)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dPᵀ = V·dOᵀ
+        rT = pT.to(q.dtype)  # r = low(P)
+        dv = tl.dot(rT, do, dv, input_precision=DOT_PRECISION)  # dv_j += Σ_i r_ij dO_i
+        if CORRECT and FUSED:
+            # the projection in the fused form: P∘(dP − D − λ) = t − λr before any rounding, rounded once
+            gT = pT * (dpT - delta[None, :] - lam[None, :])
+        else:
+            gT = pT * (dpT - delta[None, :])  # dS = P∘(dP − D), the uncorrected gradient (or t of two_product)
+        if SOFTCAP:
+            gT = gT * tauT  # chain rule through the cap: × τ'
+        dk = tl.dot(gT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # dk_j += Σ_i low(g_ij) q_i
+        if CORRECT and not FUSED:
+            # the projection in the two-product form: dk_j −= Σ_i low(λ_i w_ij) q_i, w = low(r τ') or r
+            if SOFTCAP:
+                wT = (rT.to(tl.float32) * tauT).to(q.dtype)
+            else:
+                wT = rT
+            dk = tl.dot((-(lam[None, :] * wT.to(tl.float32))).to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -332,7 +369,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     z = tl.program_id(2)
-    b64, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, z, SQ, SK, VARLEN)
+    b64, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, z, SQ, SK, VARLEN=VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 < k_len:
         if BOTTOM_RIGHT:
@@ -344,7 +381,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
         K_base = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_s
         V_base = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_s
         k, v = _load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM,
-                          EVEN_N and EVEN_D)
+                          EVEN=EVEN_N and EVEN_D)
         dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
         dv = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
 
@@ -371,29 +408,30 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
             full_hi = tl.minimum(full_hi, (q_len // BLOCK_M) * BLOCK_M)
         full_hi = tl.maximum(full_hi, full_lo)
 
-        for g in range(0, GROUP):
+        for g in range(0, GROUP):  # the query heads of this KV head's group: dk, dv reduced here, no atomics
             h = hk * GROUP + g
             Q_base = Q + b64 * sq_b + h.to(tl.int64) * sq_h + q_start.to(tl.int64) * sq_s
             DO_base = DO + b64 * sdo_b + h.to(tl.int64) * sdo_h + q_start.to(tl.int64) * sdo_s
             row0 = (b64 * H + h) * SQ + q_start
-            for start_m in range(lo, full_lo, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
-                                    LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
-                                    scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
-                                    False, EVEN_D, BLOCK_M, DOT_PRECISION)
-            for start_m in range(full_lo, full_hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
-                                    LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
-                                    scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP, not EVEN_N, False, HAS_L, HAS_R, CORRECT, FUSED,
-                                    True, EVEN_D, BLOCK_M, DOT_PRECISION)
-            for start_m in range(full_hi, hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
-                                    LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right,
-                                    scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP, not EVEN_N, True, HAS_L, HAS_R, CORRECT, FUSED,
-                                    False, EVEN_D, BLOCK_M, DOT_PRECISION)
+            # top edge [lo, full_lo) masked, interior [full_lo, full_hi) unmasked, bottom edge [full_hi, hi) masked
+            dk, dv = _dkdv_tiles(dk, dv, k, v, lo, full_lo, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
+                                 LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right, scale_log2,
+                                 cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, COLMASK=not EVEN_N,
+                                 MASK=True, HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, FUSED=FUSED, EVEN_M=False,
+                                 EVEN_D=EVEN_D, BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, full_lo, full_hi, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
+                                 LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right, scale_log2,
+                                 cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, COLMASK=not EVEN_N,
+                                 MASK=False, HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, FUSED=FUSED, EVEN_M=True,
+                                 EVEN_D=EVEN_D, BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, full_hi, hi, offs_n, Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d,
+                                 LSE2, Delta, LAM, row0, q_len, k_len, shift, win_left, win_right, scale_log2,
+                                 cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, COLMASK=not EVEN_N,
+                                 MASK=True, HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, FUSED=FUSED, EVEN_M=False,
+                                 EVEN_D=EVEN_D, BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION)
 
         dk = dk * scale
         _store_tile(DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_s, dk, sdk_s, sdk_d,
-                    offs_n, k_len, offs_d, HEAD_DIM, EVEN_N and EVEN_D)
+                    offs_n, k_len, offs_d, HEAD_DIM, EVEN=EVEN_N and EVEN_D)
         _store_tile(DV + b64 * sdv_b + hk.to(tl.int64) * sdv_h + k_start.to(tl.int64) * sdv_s, dv, sdv_s, sdv_d,
-                    offs_n, k_len, offs_d, HEAD_DIM, EVEN_N and EVEN_D)
+                    offs_n, k_len, offs_d, HEAD_DIM, EVEN=EVEN_N and EVEN_D)

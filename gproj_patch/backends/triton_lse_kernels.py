@@ -7,6 +7,9 @@ not import it directly.
 import triton
 import triton.language as tl
 
+#: ln 2: a base-2 log-sum-exp times LN2 is the natural-log one
+LN2 = tl.constexpr(0.6931471805599453)
+
 
 @triton.jit
 def _add(a, b):
@@ -46,15 +49,16 @@ def _lse_fwd(Q, K, LSE,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(K_base + offs_n[:, None] * sk_s + offs_d[None, :] * sk_d,
                     mask=(offs_n[:, None] < SK) & md[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # α·q·kᵀ in base 2 (scale_log2 = α·log2 e)
         vis = offs_n[None, :] < SK
-        if CAUSAL:
+        if CAUSAL:  # SDPA's top-left causal mask: key j visible from row i iff j ≤ i
             vis = vis & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(vis, s, float("-inf"))
+        # online log-sum-exp: running max m_i, and l_i = Σ 2^(s − m_i) rescaled when the max grows
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _maxf))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no -inf − -inf
         l_i = l_i * tl.math.exp2(m_i - m_safe) + tl.reduce(tl.math.exp2(s - m_safe[:, None]), 1, _add)
         m_i = m_new
-    lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
+    # LSE = (m + log2 l)·ln 2; -inf for a row that saw no key
+    lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(LSE + b * sl_b + h.to(tl.int64) * sl_h + offs_m * sl_s, lse, mask=offs_m < SQ)
