@@ -19,7 +19,11 @@ F.scaled_dot_product_attention, keyed on the layer name) and compared with the f
 (`backends/reference.py`) on the same BF16 inputs: relative error ‖g − g64‖/‖g64‖ of dq, dk, dv ≤ 0.5 % with
 the patch; the unpatched backward's error is printed next to it (the leak the detector predicted).
 
-Prints one line per check and a JSON summary; `--out FILE` writes the JSON too. Exit status 1 if a check fails.
+Prints one line per check and a JSON summary; `--out FILE` writes the JSON too. Exit status 1 if a deciding
+check fails (`exit_status`): on a GPU every check but the per-call detector cost; on a CPU only the correctness
+checks — the timing criteria (overhead, detector cost) are printed and recorded but decide nothing there: a
+±5 % bound on a few CPU steps of a shared machine measures its neighbours, and flipped the exit status from run
+to run.
 """
 from __future__ import annotations
 
@@ -188,6 +192,22 @@ def part_b(args):
     return res
 
 
+TIMING_CHECKS = ("overhead_le_1pct", "detector_le_3pct_of_bwd_amortized", "detector_le_3pct_of_bwd_per_call")
+INFORMATIVE_ON_GPU = ("detector_le_3pct_of_bwd_per_call",)  # launch-bound on a GPU: printed, never decides
+
+
+def deciding(name: str, device: str) -> bool:
+    """Whether check ``name`` decides the exit status on ``device`` (module docstring)."""
+    if name in INFORMATIVE_ON_GPU:
+        return False
+    return device != "cpu" or name not in TIMING_CHECKS
+
+
+def exit_status(checks: dict, device: str) -> int:
+    """0 when every deciding check passed, else 1."""
+    return 0 if all(ok for name, ok in checks.items() if deciding(name, device)) else 1
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true")
@@ -242,14 +262,14 @@ def main(argv=None):
                "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}, "A": a, "B": b,
                "checks": checks, "seconds": time.time() - t0}
     for k, ok in checks.items():
-        print(f"CHECK {k}: {'PASS' if ok else 'FAIL'}")
+        print(f"CHECK {k}: {'PASS' if ok else 'FAIL'}" + ("" if deciding(k, args.device) else " (informative)"))
     text = json.dumps(summary, indent=1, default=lambda x: x if not isinstance(x, float) or math.isfinite(x)
                       else str(x))
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-    return 0 if all(v for k, v in checks.items() if not k.endswith("_per_call")) else 1
+    return exit_status(checks, args.device)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
 from . import config as _config
 from . import state as _state_module
@@ -21,7 +21,10 @@ from . import telemetry as _telemetry
 from .import_hooks import call_after_import as _call_after_import
 from .layer_context import current_layer, layer_scope, new_step
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:  # annotations only: the package does not import torch at import time
+    import torch
+
+__version__ = "0.2.0"
 __all__ = ["enable", "disable", "is_enabled", "stats", "reset_stats", "attention", "Handle", "current_layer",
            "layer_scope", "new_step"]
 
@@ -94,7 +97,7 @@ class Handle:
         return f"Handle(mode={self.config.mode!r}, installed={self.installed}, owner={self.owner})"
 
 
-def enable(mode: Optional[str] = None, targets=None, **options) -> Handle:
+def enable(mode: Optional[str] = None, targets: Optional[Iterable[str]] = None, **options: Any) -> Handle:
     """Turn the patch on. Arguments override the environment (GPROJ_MODE, GPROJ_TARGETS, GPROJ_TIER,
     GPROJ_KV_MAJOR, GPROJ_LOG_LEVEL and the policy's GPROJ_* variables, ``config.py``), which overrides the defaults (mode
     "gproj", every target). Every option is validated here (ValueError naming it).
@@ -169,7 +172,9 @@ def reset_stats() -> None:
     _state_module.reset()
 
 
-def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+              enable_gqa: bool = False) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with the corrected backward, whether or not
     ``enable()`` was called (options: the enabled ones, else the environment's GPROJ_* and the defaults).
     Same forward output as SDPA."""

@@ -64,12 +64,15 @@ class Report:
         f = self.figures
         pct = lambda x: "-" if x is None else f"{100 * x:.3g}%"  # noqa: E731
         verdict = lambda v: "not run" if v is None else ("PASS" if v else "FAIL")  # noqa: E731
-        lines = [f"{self.backend} ({self.dtype} on {self.device}): " + ("passed" if self.passed else "FAILED"),
+        ran = any(v is not None for v in self.criteria.values())
+        outcome = "passed" if self.passed else ("FAILED" if ran else "no criterion could run")
+        lines = [f"{self.backend} ({self.dtype} on {self.device}): {outcome}",
                  f"  dq error, worst gauge-regime case: {pct(f['worst_dq'])} [{f['worst_dq_case']}] "
                  f"(bound {pct(f['dq_max'])}) {verdict(self.criteria['pass_dq'])}",
                  f"  gauge error (dq under a common key translation): {pct(f['worst_gauge'])} "
                  f"[{f['worst_gauge_case']}] (bound {pct(f['gauge_max'])}) {verdict(self.criteria['pass_gauge'])}",
-                 f"  witness dq[0,0,0,0]: {f['witness_dq0']} (exact 0, bound ±{f['witness_max']}) "
+                 f"  witness dq[0,0,0,0]: {'-' if f['witness_dq0'] is None else f['witness_dq0']} (exact 0, bound "
+                 f"±{'-' if f['witness_max'] is None else f['witness_max']}) "
                  f"{verdict(self.criteria['pass_witness'])}"]
         lines += [f"  n/a {name}: {why}" for name, why in f["not_run"].items()]
         return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""The release (issue 22, item 5): metadata, license, typing, changelog, sdist contents; and auto_check.py's exit
+status on a CPU no longer depending on timing. Building and installing the wheel: ``.ci/wheel_smoke.sh``."""
+import importlib.util
+import inspect
+import os
+import pathlib
+import sys
+import typing
+
+import pytest
+import torch
+
+import gproj_patch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11; the metadata is read, not built, here
+
+
+@pytest.fixture(scope="module")
+def project():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_version_and_changelog(project):
+    assert gproj_patch.__version__ == "0.2.0"
+    assert project["project"]["dynamic"] == ["version"]  # read from gproj_patch.__version__: one place
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gproj_patch.__version__"}
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert "## 0.2.0" in text and "deterministic" in text.split("## 0.1.0")[0]  # the removed keyword is named
+
+
+def test_license_is_an_spdx_expression_with_its_file(project):
+    meta = project["project"]
+    assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
+    assert not any(c.startswith("License ::") for c in meta["classifiers"])  # PEP 639: the expression only
+    assert "Typing :: Typed" in meta["classifiers"]
+    assert any(r.startswith("setuptools>=77") for r in project["build-system"]["requires"])
+
+
+def test_entry_points(project):
+    assert project["project"]["scripts"] == {"gproj-audit": "gproj_patch.audit:main"}
+    plugin = project["project"]["entry-points"]["pytest11"]["gproj_audit"]
+    mod = importlib.import_module(plugin)
+    assert hasattr(mod, "gproj_audit")
+
+
+def test_typed_public_api(project):
+    assert (ROOT / "gproj_patch" / "py.typed").exists()
+    assert project["tool"]["setuptools"]["package-data"]["gproj_patch"] == ["py.typed"]
+    hints = typing.get_type_hints(gproj_patch.attention, localns={"torch": torch})
+    assert hints["q"] is torch.Tensor and hints["return"] is torch.Tensor and hints["is_causal"] is bool
+    assert set(hints) == set(inspect.signature(gproj_patch.attention).parameters) | {"return"}
+    assert set(typing.get_type_hints(gproj_patch.enable)) >= {"mode", "targets", "return"}
+
+
+def test_sdist_carries_what_the_readme_links():
+    manifest = (ROOT / "MANIFEST.in").read_text()
+    assert "recursive-include docs *.md" in manifest and "recursive-include examples *.py" in manifest
+    for line in ("CHANGELOG.md", "LICENSE"):
+        assert line in manifest
+
+
+def test_readme_top_works_in_a_checkout_and_on_the_package_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert lines[3] == 'pip install torch==2.13.0 && pip install -e ".[plot,progress]" && python -m gproj_patch audit --plot audit.png'
+    paragraph = "\n".join(lines[7:16])
+    assert "pip install gproj_patch" in paragraph and "gproj-audit" in paragraph
+
+
+def _auto_check():
+    spec = importlib.util.spec_from_file_location("auto_check", ROOT / "benchmarks" / "auto_check.py")
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("auto_check imports transformers")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_auto_check_timing_never_decides_on_cpu():
+    ac = _auto_check()
+    correct = {"benign_all_original": True, "flags_exactly_driven_layer": True, "driven_grads_within_0.5pct": True}
+    slow = {"overhead_le_1pct": False, "detector_le_3pct_of_bwd_amortized": False,
+            "detector_le_3pct_of_bwd_per_call": False}
+    assert ac.exit_status({**correct, **slow}, "cpu") == 0
+    assert ac.exit_status({**correct, **slow}, "cuda") == 1  # on the GPU they are the acceptance numbers
+    assert ac.exit_status({**correct, **slow, "detector_le_3pct_of_bwd_amortized": True,
+                           "overhead_le_1pct": True}, "cuda") == 0  # the per-call figure never decides
+    assert ac.exit_status({**correct, "driven_grads_within_0.5pct": False}, "cpu") == 1
