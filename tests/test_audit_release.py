@@ -87,3 +87,13 @@ def test_auto_check_timing_never_decides_on_cpu():
     assert ac.exit_status({**correct, **slow, "detector_le_3pct_of_bwd_amortized": True,
                            "overhead_le_1pct": True}, "cuda") == 0  # the per-call figure never decides
     assert ac.exit_status({**correct, "driven_grads_within_0.5pct": False}, "cpu") == 1
+
+
+def test_loading_the_pytest_plugin_does_not_import_torch():
+    """pytest loads the plugin in every run where gproj_patch is installed: it must stay cheap."""
+    import subprocess
+    code = ("import sys; import gproj_patch.audit.pytest_plugin; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "from gproj_patch.audit import check, main; assert callable(check) and callable(main)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
