@@ -111,8 +111,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input precision (default bf16)")
     p.add_argument("--quick", action="store_true",
-                   help="small shapes: about 10 s on a 2-core CPU with the default backends (the Triton "
-                        "interpreter's backends take minutes)")
+                   help="small shapes: about 10 s on a 2-core CPU with the default backends; with "
+                        "GPROJ_TIER=triton TRITON_INTERPRET=1 (the Triton kernel, interpreted) 5 to 15 minutes")
     p.add_argument("--cases", default=None, help="comma-separated case names or fnmatch patterns (--list)")
     p.add_argument("--backends", default=None,
                    help="comma-separated built-in backend names or fnmatch patterns (default: all of them, or "
