@@ -8,7 +8,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 unset PYTHONDONTWRITEBYTECODE  # setuptools warns that it cannot byte-compile when it is set
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python3 -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" .
+# The build backend in use when it is recent enough (no download), else pip's isolated build environment.
+isolation=""
+if python3 -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null; then
+    isolation="--no-build-isolation"
+fi
+python3 -m pip wheel -q --no-deps $isolation -w "$work/dist" .
 python3 -m venv --system-site-packages "$work/venv"
 "$work/venv/bin/python" -m pip install -q --no-deps "$work"/dist/gproj_patch-*.whl
 cd "$work"

@@ -163,3 +163,26 @@ def test_plot_has_labelled_panels_and_legend_outside(tmp_path):
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels == ["u", "g", "dq bound 0.5%", "gauge bound 1%"]
     plt.close(fig)
+
+
+def test_log_lines_are_written_through_the_bar(monkeypatch):
+    """On a terminal, this package's log lines go through tqdm (the bar is cleared, the line printed, the bar
+    redrawn below it), once each — not written over the bar by the last-resort handler."""
+    pytest.importorskip("tqdm")
+    import io
+    import logging
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    items = [types.SimpleNamespace(name=f"case{i}") for i in range(3)]
+    for i, _ in enumerate(cli._progress(items, True)):
+        if i == 1:
+            logging.getLogger("gproj_patch").warning("a fallback, logged once")
+    text = err.getvalue()
+    assert text.count("gproj_patch: a fallback, logged once") == 1
+    before = text[:text.index("gproj_patch: a fallback")]
+    assert before.endswith("\r") or before.endswith("\n") or before.endswith("\x1b[A")  # starts its own line
+    assert "audit:" in text[text.index("gproj_patch: a fallback"):]  # the bar is drawn again below it
