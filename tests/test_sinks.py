@@ -14,6 +14,16 @@ dsink_h = −Σ_{b,i} P_sink,i·D_i. Checked here:
   large on rows where that is small: the no-sink rows, and the sharp-sink witness below where D = 0;
 * the four-key witness exactly 0 without a sink (and with a sink of weight 0), and a sharp-sink witness
   (P_sink = 255/256, exact dq = 0) where the uncorrected kernel is nonzero and GProj exactly 0.
+
+The kernel against the emulation ("rounding at the same places") is held to TIGHT, or to the emulation's own
+accumulation-order noise where that is larger (``order_noise``; issue 19 item 5). Both round the same operands
+to FP16, but from fp32 values whose last bits depend on the order of each dot's accumulation; where an operand
+is a cancellation (the fused dk operand P∘(dP − D − λ)) those bits decide its FP16 rounding. Under Triton's
+interpreter a ``tl.dot`` is numpy's sgemm: OpenBLAS's SkylakeX kernel happens to sit close to torch's order,
+its Haswell kernel (``OPENBLAS_CORETYPE=Haswell``) does not (dk 1.2e-4 → 3.1e-4 from the emulation at 128σ).
+Measured on this file's cases: the emulation with the head dim reversed (the same products, summed in another
+order) is 3.25e-4 from itself on dk; the kernel is at most 0.98 of that from the emulation, under both BLAS
+kernels. So dk's distance to the emulation is order noise, not a rounding-place check; dq, dv and dsink keep TIGHT.
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ SINK_LEVELS = (-20.0, 0.0, 3.0, 8.0)
 #: GProj (emulation or kernel) against fp64, relative norm: FP16 as tests/test_triton_kernel.py, BF16 the 0.5% target
 BOUND = {torch.float16: 1.5e-3, torch.bfloat16: 5e-3}
 TIGHT = 3e-4      # FP16 kernel against the FP16 emulation (rounding at the same places)
+ORDER_FACTOR = 1.5  # kernel vs emulation: at most this times the emulation's own accumulation-order noise
 GPU_TIGHT = 3e-3  # BF16 kernel against the BF16 emulation (tests/test_triton_gpu.py)
 FP32_BOUND = 1e-4  # FP32 tier against fp64
 FAR = 10.0        # "far off": at least this many times GProj's error
@@ -245,19 +256,33 @@ def interpret(monkeypatch):
     return triton_bwd
 
 
+def order_noise(emulate, q, k, v, o, do):
+    """Per gradient, rel(emulation with the head dim reversed, emulation): the same rounding program with every
+    fp32 dot summed in another order. A kernel that rounds at the same places but accumulates in its own order
+    (its BLAS, its MMA) lands about this far from the emulation too."""
+    base = emulate(q, k, v, o, do)
+    rev = torch.arange(q.shape[-1] - 1, -1, -1, device=q.device)
+    flipped = emulate(*(x[..., rev] for x in (q, k, v, o, do)))
+    flipped = [g[..., rev] if g.dim() == 4 else g for g in flipped]  # dq, dk, dv back in order; dsink as is
+    return base, [rel(a.to(q.dtype), b.to(q.dtype)) for a, b in zip(flipped, base)]
+
+
 def check_kernel(tb, q, k, v, do, sink, *, bound, tight, **mask):
     """Kernel (default dk form) vs the oracle and the emulation; returns (kernel grads, oracle grads)."""
     o, lse = saved_forward(q, k, v, sink, **mask)
     ref = reference_backward(q, k, v, do, sink=sink, **mask)
     got = tb.gproj_backward(do, q, k, v, o, lse, sink=sink, **mask)
     block = 16 if q.device.type == "cpu" else 64  # the interpreter's tiles; on a GPU the emulation's default
-    emu = emulated_backward(q, k, v, o, do, lse, fmt=FMT[q.dtype], sink=sink, dk_form=tb.DEFAULT_DK_FORM,
-                            block_m=block, block_n=block, **mask)
+
+    def emulate(q_, k_, v_, o_, do_):
+        return emulated_backward(q_, k_, v_, o_, do_, lse, fmt=FMT[q.dtype], sink=sink, dk_form=tb.DEFAULT_DK_FORM,
+                                 block_m=block, block_n=block, **mask)
+    emu, noise = order_noise(emulate, q, k, v, o, do)
     assert len(got) == 4 and got[3].shape == sink.shape and got[3].dtype == sink.dtype
-    for name, a, e, r in zip(("dq", "dk", "dv", "dsink"), got, emu, ref):
+    for name, a, e, r, n in zip(("dq", "dk", "dv", "dsink"), got, emu, ref, noise):
         assert torch.isfinite(a).all(), name
         assert rel(a, r) < bound, (name, rel(a, r))
-        assert rel(a, e.to(a.dtype)) < tight, (name, rel(a, e.to(a.dtype)))
+        assert rel(a, e.to(a.dtype)) < max(tight, ORDER_FACTOR * n), (name, rel(a, e.to(a.dtype)), n)
     return got, ref, (o, lse)
 
 
