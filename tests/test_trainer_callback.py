@@ -107,6 +107,43 @@ def test_log_keys_are_added_before_reporters_run(tmp_path):
     assert not any(k.startswith("gproj/model.") for k in seen)  # mode gproj: no policy records
 
 
+def test_gproj_mode_reports_no_false_layer_counts(tmp_path):
+    """Mode gproj keeps no per-layer records: the callback logs what ran (calls per tier) and no
+    ``gproj/layers/<tier>`` (it logged all three as 0 while every layer ran the FP32 tier)."""
+    cb = GProjCallback(mode="gproj")
+    trainer = _trainer(tmp_path, _model(), cb, steps=4)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2
+    for entry in logged:
+        assert not any(k.startswith("gproj/layers/") for k in entry), sorted(entry)
+        assert entry["gproj/calls/fp32"] == 4.0  # 2 steps x 2 layers, every one on the FP32 tier (CPU)
+        assert entry["gproj/calls/gproj"] == entry["gproj/calls/original"] == 0.0
+
+
+def test_summary_and_eval_logs_get_no_gproj_keys(tmp_path):
+    """The end-of-training summary (train_runtime, ...) and evaluation metrics carry no gproj/... values: the
+    reporters would plot them as a second (zero) value at that step. Their deltas go to the next training log."""
+    seen = []
+
+    class Reporter(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            seen.append(dict(logs))
+
+    cb = GProjCallback(mode="gproj", track_layers=False)
+    trainer = _trainer(tmp_path, _model(), cb, steps=4)
+    trainer.add_callback(Reporter())
+    trainer.train()
+    trainer.log({"eval_loss": 1.0})
+    summary = [e for e in seen if "train_runtime" in e]
+    evals = [e for e in seen if "eval_loss" in e]
+    assert len(summary) == 1 and len(evals) == 1
+    for entry in summary + evals:
+        assert not any(k.startswith("gproj/") for k in entry), sorted(entry)
+    assert not any(k.startswith("gproj/") for k in trainer.state.log_history[-1])
+    assert [e["gproj/calls/fp32"] for e in seen if "loss" in e] == [4.0, 4.0]
+
+
 def test_only_main_process_warns(caplog):
     cb = GProjCallback()
     STATE.events.append({"layer": "L", "step": 0, "from": "original", "to": "gproj", "leak_dq": 0.1,

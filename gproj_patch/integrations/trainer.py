@@ -14,8 +14,12 @@ What it does:
   adds its keys to that entry as well.)
 * ``on_step_begin``: tells the policy the step (``global_step``) for its every-N-steps sampling.
 * ``on_log``: adds ``gproj/<layer>/<stat>`` (tier 0/1/2, r_k, r_q, leak_dq, leak_dq_eff, leak_dk, logit_bound,
-  lse_gap, p_sink, audit_err_dq/dk/dv; modes auto/audit), ``gproj/layers/<tier>`` (layers per tier),
-  ``gproj/calls/<tier>`` (backward calls per tier since the last log) and ``gproj/fallback/<reason>`` counts.
+  lse_gap, p_sink, audit_err_dq/dk/dv) and ``gproj/layers/<tier>`` (layers per tier) — both only in modes
+  auto/audit, the only ones with per-layer records (in the other modes no layer is attributed a tier: zeros
+  there would claim that no layer ran any) —, ``gproj/calls/<tier>`` (backward calls per tier since the last
+  log) and ``gproj/fallback/<reason>`` counts. Training-step logs only: not the end-of-training summary (its
+  deltas would be 0, a false 0 at the last step in TensorBoard) nor evaluation/prediction metrics; deltas not
+  logged there carry over to the next training log.
 * Warns once per layer (``logging.getLogger("gproj_patch")``) when a layer enters the danger regime — the policy
   moves it off the original backward — and only on the main process (``state.is_world_process_zero``).
 """
@@ -33,8 +37,23 @@ from .. import policy as _policy
 logger = logging.getLogger("gproj_patch")
 
 
+#: keys of the logs that are not training-step logs: ``Trainer.train``'s end-of-training summary
+#: (``train_runtime``, ...) and the metric dicts of evaluate/predict (``metric_key_prefix`` + "_")
+_SUMMARY_KEYS = ("train_runtime",)
+_METRIC_PREFIXES = ("eval_", "test_", "predict_")
+
+
 def _clean(reason: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.:=<>+-]+", "_", reason).strip("_")[:80]
+
+
+def _is_training_log(logs: Dict[str, float]) -> bool:
+    """True for a training-step log (loss, learning rate, ...), where per-window counts belong. Neither the
+    summary ``Trainer.train`` logs at its end nor evaluation/prediction metrics close a training window: a
+    ``gproj/...`` value there is a second value at that step (for the summary a false 0 at the last step)."""
+    if any(key in logs for key in _SUMMARY_KEYS):
+        return False
+    return not any(key.startswith(_METRIC_PREFIXES) for key in logs)
 
 
 class GProjCallback(TrainerCallback):
@@ -128,7 +147,7 @@ class GProjCallback(TrainerCallback):
         import gproj_patch
         p = self.prefix
         out: Dict[str, float] = {}
-        if self.log_layers:
+        if self.log_layers and _policy.stats():  # per-layer tiers exist only where the policy keeps records
             out.update(_policy.log_dict(prefix=p))
         st = gproj_patch.stats()
         for tier in ("gproj", "fp32", "original"):
@@ -142,7 +161,7 @@ class GProjCallback(TrainerCallback):
         return out
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None:
+        if logs is None or not _is_training_log(logs):
             return
         extra = self.metrics()
         logs.update(extra)
