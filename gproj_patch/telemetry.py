@@ -6,7 +6,9 @@ launch of each backward that ran the GProj kernel, and why not the Gluon one).
 A *fallback* is any call that did not run the GProj kernel in a mode that asked for it, or that kept the
 original path although the patch was on (e.g. an attention mask that requires grad); its reason is counted
 every time and logged through ``logging.getLogger("gproj_patch")`` the first time a (reason, shape class) pair
-is seen. The shape class is (source, device type, dtype, head dim, GQA or not): coarse on purpose.
+is seen. The shape class is (source, device type, dtype, head dim, GQA or not): coarse on purpose. The line is a
+WARNING, except where the call ran the FP32 tier on a CPU tensor: that is the documented CPU backward (the
+kernel runs on CUDA, on CPU only in Triton's interpreter), not a degradation, so it is INFO.
 """
 from __future__ import annotations
 
@@ -32,13 +34,20 @@ def shape_class(source: str, q=None, k=None) -> Tuple:
     return (source, q.device.type, str(q.dtype).replace("torch.", ""), int(q.shape[-1]), "gqa" if gqa else "mha")
 
 
+def _log_level(tier: str, cls: Tuple) -> int:
+    """INFO for the FP32 tier on a CPU tensor (the shape class's device; the documented CPU backward), else
+    WARNING: a CUDA call off the kernel, or any call left on the original (uncorrected) backward."""
+    on_cpu = len(cls) > 1 and cls[1] == "cpu"
+    return logging.INFO if tier == "fp32" and on_cpu else logging.WARNING
+
+
 def _note_reason(reason: str, cls: Tuple, tier: str) -> None:
     STATE.reasons[reason] += 1
     key = (reason, cls)
     if key not in STATE.logged:
         STATE.logged.add(key)
-        logger.warning("%s -> %s tier for %s (logged once per reason and shape class)",
-                       reason, tier, "/".join(map(str, cls)))
+        logger.log(_log_level(tier, cls), "%s -> %s tier for %s (logged once per reason and shape class)",
+                   reason, tier, "/".join(map(str, cls)))
 
 
 def note_reason(reason: str, cls: Tuple = ()) -> None:

@@ -39,6 +39,9 @@ from . import ABSENT, restore_by_identity
 logger = logging.getLogger("gproj_patch")
 
 NAME = "gproj"
+#: the label of this path's calls in fallback reasons and shape classes (its softcap and sink forms:
+#: "hf_gproj_softcap", "hf_gproj_sink")
+SOURCE = "hf_gproj"
 _saved: Optional[dict] = None  # {"attention": previous or ABSENT, "mask": previous or ABSENT}
 _pending = None  # the import hook waiting for transformers.modeling_utils, when registration is deferred
 
@@ -80,7 +83,7 @@ def gproj_attention_forward(module, query, key, value, attention_mask, dropout: 
         attention_mask = attention_mask.to(query.dtype)
     enable_gqa = key.shape[1] != query.shape[1]
     out = sdpa_op.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
-                        scale=scaling, enable_gqa=enable_gqa, layer=_layer_name(module))
+                        scale=scaling, enable_gqa=enable_gqa, layer=_layer_name(module), source=SOURCE)
     return out.transpose(1, 2).contiguous(), None
 
 

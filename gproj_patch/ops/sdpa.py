@@ -190,11 +190,12 @@ def _needs_correction(query, key, value, mode: str) -> bool:
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-         *, cfg: Optional[Config] = None, layer: Optional[str] = None):
+         *, cfg: Optional[Config] = None, layer: Optional[str] = None, source: str = "sdpa"):
     """SDPA's semantics; the corrected backward when a gradient is needed and the inputs are BF16/FP16.
 
     ``cfg``: the options when the patch is not enabled (``gproj_patch.attention``); ``layer`` names the call for
-    the policy when no ``layer_scope`` is open (else ``call{n}``)."""
+    the policy when no ``layer_scope`` is open (else ``call{n}``); ``source`` labels its reasons and shape class
+    (HF's ``"gproj"`` attention: ``"hf_gproj"``)."""
     cfg = _config.active() or cfg or Config()
     orig = _Original.fn
     mode = cfg.mode
@@ -209,7 +210,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     compiling = torch.compiler.is_compiling()
     if reason is not None:
         if not compiling:
-            telemetry.record_forward("original", f"sdpa: {reason}", telemetry.shape_class("sdpa", query, key))
+            telemetry.record_forward("original", f"{source}: {reason}", telemetry.shape_class(source, query, key))
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
     if compiling:
@@ -219,7 +220,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if k_heads_mismatch(query, key, enable_gqa):
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)  # the original raises its own error
-    context = make_context("sdpa", layer, cfg)
+    context = make_context(source, layer, cfg)
     if policy.keeps_original(context):
         return _original_counted(orig, context, query, key, value, attn_mask, is_causal, scale, enable_gqa)
     telemetry.record_forward("patched")
