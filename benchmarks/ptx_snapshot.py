@@ -9,11 +9,11 @@ specialize them and writes one PTX file per (kernel, config, flag set) with the 
     python benchmarks/ptx_snapshot.py --out /tmp/ptx_after      # after it
     diff -r /tmp/ptx_before /tmp/ptx_after
 
-How: the launch code itself (``triton_launch.launch``) runs on CPU tensors with a kernel module that records the
-arguments instead of launching; the recorded arguments go through Triton's own JIT binder for a CUDA sm_90
-backend (the same signature, constexprs and divisibility attributes a real launch computes) and then
-``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (warp size 32, what the H200 has; Triton's CUDA options
-fix it at 32 whatever the target says). The Gluon KV-major kernel is compiled the same way from
+How: ``triton_launch.kernel_arguments`` (the keyword arguments the launch passes) is built for CPU tensors shaped
+like each job; those go through Triton's own JIT binder for a CUDA sm_90 backend (the same signature,
+constexprs and divisibility attributes a real launch computes) and then ``triton.compile`` for
+``GPUTarget("cuda", 90, 32)`` (warp size 32, what the H200 has; Triton's CUDA options fix it at 32 whatever
+the target says). The Gluon KV-major kernel is compiled the same way from
 ``gluon_bwd.dkdv_arguments`` (tests/test_kv_major.py's CPU compile does the same with ``mangle_type``). The
 LSE kernel's arguments mirror ``triton_bwd.attention_lse``'s launch.
 
@@ -79,25 +79,6 @@ VARIANTS_FP32 = (
 HEADS, KV_HEADS, BATCH = 4, 2, 2
 
 
-class _Recorder:
-    """Stands in for the kernel module in ``triton_launch.launch``: ``km.<kernel>[grid](*args, **kwargs)``
-    records (kernel name, args, kwargs) instead of launching."""
-
-    def __init__(self, calls: list):
-        self._calls = calls
-
-    def __getattr__(self, name: str):
-        calls = self._calls
-
-        class _Launcher:
-            def __getitem__(self, grid):
-                def record(*args, **kwargs):
-                    calls.append((name, args, kwargs))
-                    return None
-                return record
-        return _Launcher()
-
-
 def _job(v: Variant, head_dim: int, fp32_configs: bool):
     """A ``triton_launch.Launch`` of CPU tensors shaped like variant ``v`` (the way ``gproj_backward`` builds it)."""
     from gproj_patch.backends import triton_bwd
@@ -127,15 +108,6 @@ def _job(v: Variant, head_dim: int, fp32_configs: bool):
         alpha=head_dim ** -0.5, softcap=v.softcap, correct=v.correct, fused=v.fused,
         cfg_dq=triton_bwd.block_config("dq", bd, fp32_configs), cfg_dkdv=triton_bwd.block_config("dkdv", bd, fp32_configs),
         dot_precision=triton_bwd.FP32_DOT_PRECISION if v.dtype == torch.float32 else "tf32", kv_major="tl")
-
-
-def _recorded_launches(job, head_dim: int) -> list:
-    """(kernel name, args, kwargs) of both launches of ``job``, as ``triton_launch.launch`` makes them."""
-    from gproj_patch.backends import triton_bwd, triton_launch
-    calls: list = []
-    triton_launch.launch(_Recorder(calls), True, job, block_d=triton_bwd.block_d(head_dim), parts=("dq", "dkdv"),
-                         last_kernels={})
-    return calls
 
 
 def _compile(fn, args: tuple, kwargs: dict):
@@ -220,8 +192,9 @@ class Entry:
 def tl_entries(quick: bool = False, head_dims: Optional[Tuple[int, ...]] = None) -> List[Entry]:
     """Both tl launches of every shipped config (``triton_bwd.CONFIGS`` and ``CONFIGS_FP32``, per padded head
     dim) under every flag set of ``VARIANTS`` / ``VARIANTS_FP32`` (``quick``: the first of each only), plus a
-    head dim that is not a power of two (EVEN_D false)."""
-    from gproj_patch.backends import triton_bwd
+    head dim that is not a power of two (EVEN_D false). Arguments from ``triton_launch.kernel_arguments``, the
+    launch's own builder."""
+    from gproj_patch.backends import triton_bwd, triton_launch
     km = triton_bwd._kernels(False)
     dims = sorted(triton_bwd.CONFIGS["dq"]) if head_dims is None else head_dims
     jobs = []
@@ -233,8 +206,11 @@ def tl_entries(quick: bool = False, head_dims: Optional[Tuple[int, ...]] = None)
         jobs.append(("d96_dense", VARIANTS[0], 96, False))
     entries = []
     for tag, v, d, table_fp32 in jobs:
-        for kname, args, kwargs in _recorded_launches(_job(v, d, table_fp32), d):
-            entries.append(Entry(f"{kname}_{tag}", getattr(km, kname), args, kwargs))
+        job = _job(v, d, table_fp32)
+        scratch = triton_launch.allocate_scratch(job)
+        for kind, kname in triton_launch.KERNELS.items():
+            kwargs = triton_launch.kernel_arguments(kind, job, scratch, block_d=triton_bwd.block_d(d))
+            entries.append(Entry(f"{kname}_{tag}", getattr(km, kname), (), kwargs))
     return entries
 
 

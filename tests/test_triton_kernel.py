@@ -221,3 +221,74 @@ def test_attention_lse_matches_fp64(sq, sk, causal, hkv):
     _, want = reference_forward(q, k, k, scale=0.3, causal=causal)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
+
+
+def _launch_job(*, window=(-1, -1), sink=False, varlen=False, correct=True, sq=48, sk=80, d=40):
+    """A ``triton_launch.Launch`` of CPU fp16 tensors (nothing runs: the argument builder's input)."""
+    from gproj_patch.backends.triton_launch import Launch
+    q = torch.empty(1, 4, sq, d, dtype=torch.float16)
+    k = torch.empty(1, 2, sk, d, dtype=torch.float16)
+    cu = torch.tensor([0, sq], dtype=torch.int32) if varlen else q
+    return Launch(do=q, q=q, k=k, v=k, o=q, lse=torch.empty(1, 4, sq), dq=q, dk=k, dv=k,
+                  sink=torch.zeros(4) if sink else None, cu_q=cu, cu_k=cu, varlen=varlen, n_problems=1, max_q=sq,
+                  max_k=sk, window=window, bottom_right=False, alpha=0.125, softcap=0.0, correct=correct, fused=True,
+                  cfg_dq=(16, 16, 4, 1), cfg_dkdv=(16, 32, 4, 1))
+
+
+@pytest.mark.parametrize("sink, varlen, correct", [(False, False, True), (True, True, True), (False, False, False)])
+def test_kernel_arguments_name_every_kernel_parameter(sink, varlen, correct):
+    """Both launches pass every parameter of their kernel by keyword from one builder
+    (``triton_launch.kernel_arguments``): exactly the kernel's parameters plus num_warps/num_stages, the
+    constexpr flags follow the job, and the flags that are off get D's buffer as their placeholder pointer."""
+    import inspect
+    from gproj_patch.backends import triton_launch
+    km = triton_bwd._kernels(True)
+    job = _launch_job(window=(8, 0), sink=sink, varlen=varlen, correct=correct)
+    scratch = triton_launch.allocate_scratch(job)
+    for kind, name in triton_launch.KERNELS.items():
+        args = triton_launch.kernel_arguments(kind, job, scratch, block_d=64)
+        params = set(inspect.signature(getattr(km, name).fn).parameters)
+        assert set(args) == params | {"num_warps", "num_stages"}, (kind, set(args) ^ params)
+        assert args["HAS_L"] and args["HAS_R"] and args["VARLEN"] == varlen and args["CORRECT"] == correct
+        assert not args["EVEN_D"] and args["BLOCK_D"] == 64 and args["GROUP"] == 2
+        # 48 rows in tiles of 16: even unless varlen (sequences end anywhere); 80 keys: not a multiple of 32
+        assert args["EVEN_M"] == (not varlen) and args["EVEN_N"] == (kind == "dq" and not varlen)
+        assert (args["LAM"] is scratch.delta) == (not correct)
+    dq = triton_launch.kernel_arguments("dq", job, scratch, block_d=64)
+    assert dq["HAS_SINK"] == sink and (dq["SINK"] is scratch.delta) == (not sink)
+    assert (dq["TGT"] is scratch.delta) == (not sink) and dq["ssink"] == (1 if sink else 0)
+    assert triton_launch.grid("dq", job) == (3, 4, 1) and triton_launch.grid("dkdv", job) == (3, 2, 1)
+    with pytest.raises(ValueError, match="kind"):
+        triton_launch.kernel_arguments("dkdv_gluon", job, scratch, block_d=64)
+
+
+def test_kernel_constants_are_their_formulas():
+    """The named constants of the tl kernels equal the formulas their comments give (1/ln 2, −2/ln 2, the tanh
+    series 1/3 and 2/15 below 1/16, ln 2), and ROWSUM_WIDTH is tl.dot's smallest width with room for both
+    row-sum columns."""
+    import math
+    km = triton_bwd._kernels(True)
+    lse_km = triton_bwd._kernels(True, "triton_lse_kernels")
+    value = lambda c: getattr(c, "value", c)  # noqa: E731 - tl.constexpr or a plain number
+    assert value(km.RCP_LN2) == 1 / math.log(2) and value(km.NEG_2_RCP_LN2) == -2 / math.log(2)
+    assert value(km.TANH_C3) == 1 / 3 and value(km.TANH_C5) == 2 / 15 and value(km.TANH_SERIES_BELOW) == 1 / 16
+    assert value(lse_km.LN2) == math.log(2)
+    assert value(km.ROWSUM_WIDTH) == 16 and {value(km.RHO_COL), value(km.MASS_COL)} == {0, 1}
+
+
+def test_gluon_launch_shape_comes_from_the_kernel_constants():
+    """The Gluon host launches the shape the kernel is written for, read from its constants, not restated:
+    keys per CTA, the warps of the default partition, the descriptors' K/V box, and a maxnreg that fits the
+    CTA's TOTAL_WARPS in one SM's register file."""
+    from gproj_patch.backends import gluon_bwd
+    if gluon_bwd.UNAVAILABLE_REASON is not None:
+        pytest.skip(gluon_bwd.UNAVAILABLE_REASON)
+    from gproj_patch.backends import gluon_kernels as gk
+    assert gluon_bwd.BLOCK_N == gk.KEYS_PER_CTA.value == gk.CONSUMERS.value * gk.KEYS_PER_WG.value
+    assert gluon_bwd.KEYS_PER_WG == gk.KEYS_PER_WG.value and gluon_bwd.NUM_WARPS == gk.CONSUMER_WARPS.value
+    assert gluon_bwd.TOTAL_WARPS == gk.TOTAL_WARPS.value
+    assert gk.TOTAL_WARPS.value % gk.CONSUMER_WARPS.value == 0
+    assert gk.CONSUMERS.value * gk.CONSUMER_WARPS.value + gk.PRODUCER_WARPS.value <= gk.TOTAL_WARPS.value
+    threads = gluon_bwd.TOTAL_WARPS * gluon_bwd.WARP_SIZE
+    assert gluon_bwd.MAXNREG % 8 == 0 and threads * gluon_bwd.MAXNREG <= gluon_bwd.SM_REGISTERS
+    assert threads * (gluon_bwd.MAXNREG + 8) > gluon_bwd.SM_REGISTERS

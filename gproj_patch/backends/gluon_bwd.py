@@ -57,17 +57,27 @@ TMA_ALIGN_BYTES = 16
 #: box start must be 16-byte aligned: tiles start at multiples of 32 rows within a head, so Sq must be a multiple
 #: of 4 (an odd Sq = 333 raised "illegal instruction" on the H200)
 SCRATCH_ROW_ALIGN = 4
-#: keys per CTA: two consumer warpgroups of ``gluon_kernels.KEYS_PER_WG`` keys
-BLOCK_N = 128
-#: warps of the default partition (one consumer warpgroup); the kernel has 12 warps in all (two consumer
-#: warpgroups and the producer's, rounded up to a warpgroup)
-NUM_WARPS = 4
-TOTAL_WARPS = 12
-#: an SM's register file (32-bit registers)
+#: an SM's register file (32-bit registers), and the threads of a warp
 SM_REGISTERS = 65536
-#: registers per thread at launch: the largest multiple of 8 with TOTAL_WARPS × 32 threads × it ≤ SM_REGISTERS
-#: (168); the partitions then re-balance (setmaxnreg) to 240 for each consumer and 24 for the producer
-MAXNREG = SM_REGISTERS // (TOTAL_WARPS * 32) // 8 * 8
+WARP_SIZE = 32
+#: the launch's shape, read from the kernel's own constants (``gluon_kernels``) so that the two cannot disagree;
+#: None where the kernel cannot be imported (``UNAVAILABLE_REASON``: then nothing launches it).
+#: BLOCK_N: keys per CTA (``KEYS_PER_CTA``: two consumer warpgroups of ``KEYS_PER_WG``); NUM_WARPS: warps of the
+#: default partition (one consumer warpgroup, ``CONSUMER_WARPS``); TOTAL_WARPS: the CTA's warps (two consumer
+#: warpgroups and the producer's warp, rounded up to a warpgroup: 12); MAXNREG: registers per thread at launch,
+#: the largest multiple of 8 with TOTAL_WARPS × WARP_SIZE threads × it ≤ SM_REGISTERS (168; the partitions then
+#: re-balance with setmaxnreg to ``CONSUMER_REGS`` for each consumer and ``PRODUCER_REGS`` for the producer)
+KEYS_PER_WG: Optional[int] = None
+BLOCK_N: Optional[int] = None
+NUM_WARPS: Optional[int] = None
+TOTAL_WARPS: Optional[int] = None
+MAXNREG: Optional[int] = None
+if UNAVAILABLE_REASON is None:
+    KEYS_PER_WG = _gk.KEYS_PER_WG.value
+    BLOCK_N = _gk.KEYS_PER_CTA.value
+    NUM_WARPS = _gk.CONSUMER_WARPS.value
+    TOTAL_WARPS = _gk.TOTAL_WARPS.value
+    MAXNREG = SM_REGISTERS // (TOTAL_WARPS * WARP_SIZE) // 8 * 8
 #: shared memory a CTA may use on sm_90 (227 KB)
 SMEM_LIMIT_BYTES = 227 * 1024
 
@@ -198,7 +208,7 @@ def dkdv_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tens
     causal = right == 0
     H, SQ, SK = q.shape[1], q.shape[2], k.shape[2]
     return dict(
-        q_desc=_descriptor(q, cfg.block_m), k_desc=_descriptor(k, BLOCK_N // 2), v_desc=_descriptor(job.v, BLOCK_N // 2),
+        q_desc=_descriptor(q, cfg.block_m), k_desc=_descriptor(k, KEYS_PER_WG), v_desc=_descriptor(job.v, KEYS_PER_WG),
         do_desc=_descriptor(job.do, cfg.block_m), lse2_desc=_row_descriptor(lse2, cfg.block_m),
         delta_desc=_row_descriptor(delta, cfg.block_m), lam_desc=_row_descriptor(lam, cfg.block_m), DK=dk, DV=dv,
         sdk_b=dk.stride(0), sdk_h=dk.stride(1), sdk_s=dk.stride(2),

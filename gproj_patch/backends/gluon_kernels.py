@@ -42,6 +42,12 @@ PRODUCER_REGS = gl.constexpr(24)
 #: registers per thread of the worker consumer warpgroup (the default one receives what the launch's maxnreg
 #: leaves; ``gluon_bwd`` sets maxnreg so that both get this many)
 CONSUMER_REGS = gl.constexpr(240)
+#: keys of one CTA: a block of KEYS_PER_WG keys per consumer warpgroup
+KEYS_PER_CTA = gl.constexpr(CONSUMERS.value * KEYS_PER_WG.value)
+#: warps of one CTA: the consumer warpgroups and the producer's warp, rounded up to whole warpgroups (the warps
+#: ``gl.warp_specialize`` allocates: 2·4 + 1 → 12)
+TOTAL_WARPS = gl.constexpr(
+    -(-(CONSUMERS.value * CONSUMER_WARPS.value + PRODUCER_WARPS.value) // CONSUMER_WARPS.value) * CONSUMER_WARPS.value)
 
 
 @gluon.constexpr_function
@@ -168,7 +174,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_des
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)
     b = gl.program_id(2)
-    n0 = pid_n * (CONSUMERS * KEYS_PER_WG)
+    n0 = pid_n * KEYS_PER_CTA
 
     # query tiles [lo, SQ) see some key of this block (causal: none above the first key's diagonal row)
     lo = pid_n * 0

@@ -1,7 +1,8 @@
 """The launches of one GProj backward (host side of ``triton_kernels.py``): the dQ-major kernel (which also writes
 D, the base-2 LSE and the sink target for the next launch) and the KV-major kernel, and the learnable sink's
 gradient. ``triton_bwd`` checks
-the inputs, allocates the outputs, picks block configs and builds the ``Launch``."""
+the inputs, allocates the outputs, picks block configs and builds the ``Launch``; ``kernel_arguments`` turns it
+into each launch's keyword arguments (the one place that knows the kernels' parameter names)."""
 from __future__ import annotations
 
 import math
@@ -55,59 +56,99 @@ def sink_gradient(target: torch.Tensor, job: Launch) -> torch.Tensor:
     return (-target.sum(dim=(0, 2))).to(job.sink.dtype)
 
 
+#: log2(e): the kernels work in base 2 (scale_log2 = α·log2 e; softcap: cap_out = c·log2 e)
+LOG2_E = math.log2(math.e)
+#: the kernel of each launch in ``triton_kernels``
+KERNELS = {"dq": "_bwd_dq", "dkdv": "_bwd_dkdv"}
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """The fp32 (B·H, SQ) per-row buffers the dQ-major launch writes and the KV-major launch reads: D, the base-2
+    LSE, λ and T = P_sink·D. D's buffer stands in as a placeholder pointer for λ when uncorrected and for T
+    without a sink (the kernels never touch a placeholder: its flag is off)."""
+    delta: torch.Tensor
+    lse2: torch.Tensor
+    lam: torch.Tensor
+    target: torch.Tensor
+
+
+def allocate_scratch(job: Launch) -> Scratch:
+    """The ``Scratch`` of ``job`` (uninitialised: the dQ-major launch writes every row the other one reads)."""
+    B, H, SQ, _ = job.q.shape
+    delta = torch.empty((B * H, SQ), dtype=torch.float32, device=job.q.device)
+    return Scratch(delta=delta, lse2=torch.empty_like(delta), lam=torch.empty_like(delta) if job.correct else delta,
+                   target=torch.empty_like(delta) if job.sink is not None else delta)
+
+
+def _strides(prefix: str, x: torch.Tensor, dims: str = "bhsd") -> dict:
+    """``{prefix_b: x.stride(0), prefix_h: ..., ...}``: a tensor's strides under the kernels' parameter names."""
+    return {f"{prefix}_{d}": stride for d, stride in zip(dims, x.stride())}
+
+
+def kernel_arguments(kind: str, job: Launch, scratch: Scratch, *, block_d: int) -> dict:
+    """Every keyword argument of the ``kind`` launch ("dq": ``_bwd_dq``, "dkdv": ``_bwd_dkdv``) of ``job``: the
+    kernel's parameters by name (constexpr flags included) plus the launch options num_warps and num_stages.
+    Pure host work: the launch passes exactly this, and a compile check (benchmarks/ptx_snapshot.py) compiles
+    from it on a machine without a GPU."""
+    if kind not in KERNELS:
+        raise ValueError(f"kind must be one of {tuple(KERNELS)}, got {kind!r}")
+    q, k, v, do = job.q, job.k, job.v, job.do
+    _, H, SQ, D = q.shape
+    HKV, SK = k.shape[1], k.shape[2]
+    left, right = job.window
+    block_m, block_n, num_warps, num_stages = job.cfg_dq if kind == "dq" else job.cfg_dkdv
+    has_softcap = job.softcap > 0
+    # softcap c: score = c·tanh(α s / c), the kernel takes cap_in = α / c and cap_out = c·log2 e (else unused)
+    cap_in, cap_out = (job.alpha / job.softcap, job.softcap * LOG2_E) if has_softcap else (1.0, 1.0)
+    args = dict(
+        Q=q, K=k, V=v, DO=do, Delta=scratch.delta, LSE2=scratch.lse2, LAM=scratch.lam, CU_Q=job.cu_q, CU_K=job.cu_k,
+        **_strides("sq", q), **_strides("sk", k), **_strides("sv", v), **_strides("sdo", do),
+        H=H, GROUP=H // HKV, SQ=SQ, SK=SK, HEAD_DIM=D, win_left=left, win_right=right,
+        scale=job.alpha, scale_log2=job.alpha * LOG2_E, cap_in=cap_in, cap_out=cap_out,
+        SOFTCAP=has_softcap, BOTTOM_RIGHT=job.bottom_right, HAS_L=left >= 0, HAS_R=right >= 0, VARLEN=job.varlen,
+        CORRECT=job.correct,
+        # varlen sequences end anywhere: only fixed lengths that are multiples of the tile load without masks
+        EVEN_M=(not job.varlen) and SQ % block_m == 0, EVEN_N=(not job.varlen) and SK % block_n == 0,
+        EVEN_D=block_d == D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=job.dot_precision,
+        num_warps=num_warps, num_stages=num_stages)
+    if kind == "dq":
+        has_sink = job.sink is not None
+        args.update(O=job.o, LSE=job.lse, SINK=job.sink if has_sink else scratch.delta, DQ=job.dq,
+                    TGT=scratch.target, **_strides("so", job.o), **_strides("sl", job.lse, "bhs"),
+                    ssink=job.sink.stride(0) if has_sink else 0, **_strides("sdq", job.dq), HAS_SINK=has_sink)
+    else:
+        args.update(DK=job.dk, DV=job.dv, **_strides("sdk", job.dk), **_strides("sdv", job.dv), FUSED=job.fused)
+    return args
+
+
+def grid(kind: str, job: Launch) -> Tuple[int, int, int]:
+    """The ``kind`` launch's grid: (query blocks, query heads, problems) for "dq", (key blocks, KV heads,
+    problems) for "dkdv" (blocks of the longest sequence; programs past a shorter one return at once)."""
+    if kind == "dq":
+        return triton.cdiv(job.max_q, job.cfg_dq[0]), job.q.shape[1], job.n_problems
+    return triton.cdiv(job.max_k, job.cfg_dkdv[1]), job.k.shape[1], job.n_problems
+
+
 def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernels: dict) -> torch.Tensor:
     """Run the launches ``parts`` names ("dq", "dkdv"; benchmarks time them apart: the dK/dV launch alone then
     reads scratch the dQ launch did not write, a timing, not a result); returns the fp32 (B·H, SQ) buffer of
-    T = P_sink·D (D itself without a sink).
-
-    Scratch: fp32 (B·H, SQ) D, base-2 LSE (+inf on -inf rows), λ and T, written by the dQ-major launch; D's
-    buffer stands in as a placeholder pointer for λ when uncorrected, and for T and the sink without a sink."""
-    q, k, v, do, o, lse = job.q, job.k, job.v, job.do, job.o, job.lse
-    B, H, SQ, _ = q.shape
-    HKV, SK = k.shape[1], k.shape[2]
-    D = q.shape[-1]
-    BD = block_d
-    bm_q, bn_q, w_q, st_q = job.cfg_dq
-    bm_k, bn_k, w_k, st_k = job.cfg_dkdv
-    left, right = job.window
-    delta = torch.empty((B * H, SQ), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
-    lam = torch.empty_like(delta) if job.correct else delta
-    has_sink = job.sink is not None
-    target = torch.empty_like(delta) if has_sink else delta
-    sink = job.sink if has_sink else delta
-    sink_stride = job.sink.stride(0) if has_sink else 0
-    group = H // HKV
-    alpha, softcap = job.alpha, job.softcap
-    cap = (alpha / softcap, softcap * math.log2(math.e)) if softcap > 0 else (1.0, 1.0)
-    common = dict(SOFTCAP=softcap > 0, BOTTOM_RIGHT=job.bottom_right, HAS_L=left >= 0, HAS_R=right >= 0,
-                  VARLEN=job.varlen, CORRECT=job.correct, EVEN_D=BD == D,
-                  DOT_PRECISION=job.dot_precision)
+    T = P_sink·D (D itself without a sink). Arguments by keyword from ``kernel_arguments``; scratch
+    ``allocate_scratch``."""
+    scratch = allocate_scratch(job)
     kq = kk = None
     if job.max_q == 0:
-        return target  # every sequence has no query: dk, dv are the zeros already there
+        return scratch.target  # every sequence has no query: dk, dv are the zeros already there
     if "dq" in parts:  # also when every sequence has no key: it writes dq = 0 and the sink target
-        kq = km._bwd_dq[(triton.cdiv(job.max_q, bm_q), H, job.n_problems)](
-            q, k, v, do, o, lse, sink, job.dq, delta, lse2, lam, target, job.cu_q, job.cu_k,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *o.stride(), *lse.stride(), sink_stride,
-            *job.dq.stride(),
-            H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap, HAS_SINK=has_sink,
-            EVEN_M=(not job.varlen) and SQ % bm_q == 0, EVEN_N=(not job.varlen) and SK % bn_q == 0,
-            BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=BD, num_warps=w_q, num_stages=st_q, **common)
+        kq = km._bwd_dq[grid("dq", job)](**kernel_arguments("dq", job, scratch, block_d=block_d))
     if "dkdv" in parts and job.max_k > 0 and job.kv_major == "gluon":
         from .gluon_bwd import launch_dkdv
-        kk = launch_dkdv(job, delta, lse2, lam, job.gluon_config)
+        kk = launch_dkdv(job, scratch.delta, scratch.lse2, scratch.lam, job.gluon_config)
     elif "dkdv" in parts and job.max_k > 0:
-        kk = km._bwd_dkdv[(triton.cdiv(job.max_k, bn_k), HKV, job.n_problems)](
-            q, k, v, do, job.dk, job.dv, delta, lse2, lam, job.cu_q, job.cu_k,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *job.dk.stride(), *job.dv.stride(),
-            H, group, SQ, SK, D, left, right, alpha, alpha * math.log2(math.e), *cap,
-            FUSED=job.fused,
-            EVEN_M=(not job.varlen) and SQ % bm_k == 0, EVEN_N=(not job.varlen) and SK % bn_k == 0,
-            BLOCK_M=bm_k, BLOCK_N=bn_k, BLOCK_D=BD, num_warps=w_k, num_stages=st_k, **common)
+        kk = km._bwd_dkdv[grid("dkdv", job)](**kernel_arguments("dkdv", job, scratch, block_d=block_d))
     if not interpret:
         last_kernels.clear()
         for name, kern in (("dq", kq), ("dkdv", kk)):
             last_kernels[name] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None))
         last_kernels["kv_major"] = job.kv_major
-    return target
+    return scratch.target
