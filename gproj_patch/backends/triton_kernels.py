@@ -23,9 +23,9 @@ import triton.language as tl
 
 #: log2(e) = 1/ln 2: exp(x) = 2^(x·RCP_LN2), and a natural-log LSE becomes a base-2 one
 RCP_LN2 = tl.constexpr(1.4426950408889634)
-#: −2/ln 2: e^(−2|y|) = 2^(|y|·NEG_2_RCP_LN2), the exponential of tanh(|y|) = (1 − e^(−2|y|)) / (1 + e^(−2|y|))
+#: −2/ln 2: e^(−2|y|) = 2^(|y|·NEG_2_RCP_LN2), the exponential in tanh|y| = (1 − e^(−2|y|)) / (1 + e^(−2|y|))
 NEG_2_RCP_LN2 = tl.constexpr(-2.8853900817779268)
-#: below this |y| (1/16), tanh's odd series y − y³/3 + 2y⁵/15 replaces the exp2 form, whose 1 − e^(−2|y|) cancels
+#: below this |y| (1/16), tanh's series y − y³/3 + 2y⁵/15 replaces the exp2 form (its 1 − e^(−2|y|) cancels)
 TANH_SERIES_BELOW = tl.constexpr(0.0625)
 #: the series' coefficients: tanh y = y·(1 − y²·(TANH_C3 − y²·TANH_C5)) + O(y⁷)
 TANH_C3 = tl.constexpr(0.3333333333333333)  # 1/3
@@ -233,7 +233,7 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
         sacc = tl.full([BLOCK_M, ROWSUM_WIDTH], 0.0, tl.float32)  # ρ in column RHO_COL, m in MASS_COL
         col = tl.arange(0, ROWSUM_WIDTH)
         nn = tl.arange(0, BLOCK_N)
-        # one-hot (BLOCK_N × ROWSUM_WIDTH) matrices: t·e0 puts Σ_j t_ij into column RHO_COL, r·e1 Σ_j r_ij into MASS_COL
+        # one-hot (BLOCK_N × ROWSUM_WIDTH): t·e0 puts Σ_j t_ij in column RHO_COL, r·e1 puts Σ_j r_ij in MASS_COL
         e0 = tl.where((nn[:, None] >= 0) & (col[None, :] == RHO_COL), 1.0, 0.0).to(q.dtype)
         e1 = tl.where((nn[:, None] >= 0) & (col[None, :] == MASS_COL), 1.0, 0.0).to(q.dtype)
 
