@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 from gproj_patch.backends import triton_bwd  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
+from tests.helpers.adversarial import SUITE, _keys, make_case, rel, witness  # noqa: E402,F401  (gluon_check, fp32_form_check)
 
 LOG = []
 #: indices into SHAPES where the FP32 tier is timed too (D = 64 and 128, causal)
@@ -38,119 +39,7 @@ def log(*a):
     LOG.append(line)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# adversarial suite (BF16 inputs; fp64 reference on the same rounded inputs)
-# ----------------------------------------------------------------------------------------------------------
-
-def _keys(shape, offset, gen, device):
-    k = torch.randn(shape, generator=gen, device=device, dtype=torch.float64)
-    if offset:
-        mu = torch.randn(shape[-1], generator=gen, device=device, dtype=torch.float64)
-        k = k + offset * mu
-    return k
-
-
-def make_case(name, device="cuda", dtype=torch.bfloat16, seed=0):
-    """(inputs dict, mask kwargs, gauge) for one named case. gauge: the case is in the gauge regime."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    B, H, HKV, SQ, SK, D = 2, 4, 4, 512, 512, 64
-    offset, kw, gauge, sink = 0.0, {}, True, 0.0
-    cu = None
-    if name == "witness":
-        return witness(device, dtype), {}, True
-    if name.startswith("offset"):
-        offset = float(name[6:])
-    elif name == "random":
-        pass
-    elif name == "sink":  # attention sink (p_sink ~ 0.04..0.9), no offset
-        sink = 0.75
-    elif name == "sink64":  # sink with p_sink ~ 1 - 1e-5, plus a 64σ key offset (the sink_offset_64 case of gproj_patch/audit/cases.py)
-        offset, sink = 64.0, 1.5
-    elif name == "sharp_p1":  # rows with P == 1 (other keys' P <= ~1e-18), plus an offset: beyond fp32
-        offset, sink, gauge = 32.0, 3.0, False
-        SK = 384
-    elif name == "causal_tl":
-        SQ, SK, offset, kw = 384, 512, 32.0, dict(causal=True, causal_align="top_left")
-    elif name == "causal_br":
-        SQ, SK, offset, kw = 512, 384, 32.0, dict(causal=True, causal_align="bottom_right")
-    elif name == "gqa":
-        H, HKV, offset = 8, 2, 128.0
-    elif name == "window":
-        SQ = SK = 600
-        offset, kw = 32.0, dict(window=(100, 20))
-    elif name == "varlen":
-        B, H, HKV, offset = 1, 4, 2, 64.0
-        lq = [100, 0, 257, 1, 0, 242]
-        lk = [100, 37, 300, 0, 0, 242]
-        cu = (torch.tensor([0] + list(_cumsum(lq)), dtype=torch.int32, device=device),
-              torch.tensor([0] + list(_cumsum(lk)), dtype=torch.int32, device=device))
-        SQ, SK = sum(lq), sum(lk)
-        kw = dict(causal=True, causal_align="bottom_right", cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
-    elif name == "d128":
-        D, offset, kw = 128, 128.0, dict(causal=True)
-    elif name == "d256":
-        B, H, HKV, SQ, SK, D, offset = 1, 2, 2, 256, 256, 256, 64.0
-    elif name == "d96":
-        B, H, HKV, SQ, SK, D, offset = 1, 2, 1, 300, 200, 96, 32.0
-    elif name == "strided":
-        offset = 128.0
-    elif name == "query_offset":  # not a gauge symmetry: reported, not held to the target
-        gauge = False
-    elif name == "softcap":  # Gemma-style softcap; no exact gauge symmetry, reported
-        offset, gauge, kw = 8.0, False, dict(softcap=5.0, causal=True)
-    else:
-        raise KeyError(name)
-    q = torch.randn(B, H, SQ, D, generator=g, device=device, dtype=torch.float64)
-    if name == "query_offset":
-        q = q + 64.0 * torch.randn(D, generator=g, device=device, dtype=torch.float64)
-    k = _keys((B, HKV, SK, D), offset, g, device)
-    if sink:
-        nu = torch.randn(D, generator=g, device=device, dtype=torch.float64)
-        q = q + 2.0 * nu
-        k[:, :, 0] += sink * nu
-    v = torch.randn(B, HKV, SK, D, generator=g, device=device, dtype=torch.float64)
-    do = torch.randn(B, H, SQ, D, generator=g, device=device, dtype=torch.float64)
-    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
-    if name == "strided":
-        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) memory
-        k = k.transpose(1, 2).contiguous().transpose(1, 2)
-        v = torch.cat([v, v], dim=-1)[..., :D]  # row stride 2D
-    return dict(q=q, k=k, v=v, do=do), kw, gauge
-
-
-def _cumsum(xs):
-    t = 0
-    for x in xs:
-        t += x
-        yield t
-
-
-def witness(device="cuda", dtype=torch.bfloat16):
-    """The four-key witness (docs/math.md §4): uniform attention over 4 identical keys of first coordinate K0,
-    g = (1 + eps, -1, -eps, 0) with low(1 + eps) = 1. Exact dq is 0; an uncorrected kernel returns
-    -α·K0·eps in dq[..., 0]: -24 in BF16 (eps = 3/1024, K0 = 65536), -0.75 in FP16 (eps = 3/8192, K0 = 16384)."""
-    D = 64
-    eps, k0 = (3.0 / 1024, 65536.0) if dtype == torch.bfloat16 else (3.0 / 8192, 16384.0)
-    q = torch.zeros(1, 1, 1, D, device=device, dtype=dtype)
-    k = torch.zeros(1, 1, 4, D, device=device, dtype=dtype)
-    k[..., 0] = k0
-    v = torch.zeros(1, 1, 4, D, device=device, dtype=dtype)
-    v[0, 0, 0, 0], v[0, 0, 0, 1] = 4.0, 4.0 * eps
-    v[0, 0, 1, 0] = -4.0
-    v[0, 0, 2, 1] = -4.0 * eps
-    do = torch.zeros(1, 1, 1, D, device=device, dtype=dtype)
-    do[..., 0], do[..., 1] = 1.0, 1.0
-    return dict(q=q, k=k, v=v, do=do)
-
-
-SUITE = ["random", "offset8", "offset32", "offset128", "offset512", "sink", "sink64", "sharp_p1", "causal_tl",
-         "causal_br", "gqa", "window", "varlen", "d96", "d128", "d256", "strided", "query_offset", "softcap", "witness"]
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    n = b.norm().item()
-    return (a - b).norm().item() / n if n > 0 else (a - b).abs().max().item()
+# the adversarial suite (make_case, witness, SUITE, rel): tests/helpers/adversarial.py, shared with the GPU tests
 
 
 def run_suite(device="cuda", dtype=torch.bfloat16, cases=SUITE):

@@ -1,8 +1,16 @@
-"""Shared test fixtures."""
+"""Shared test fixtures (helper functions: the ``tests.helpers`` package)."""
 import pytest
 
 import gproj_patch
 from gproj_patch import config
+from gproj_patch.audit.run import torch_threads
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the module: small tile products run 2-3x faster so on a shared 2-core machine."""
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture

@@ -12,14 +12,12 @@ from gproj_patch.audit import cli
 from gproj_patch.audit import run as audit_run
 from gproj_patch.__main__ import main as cli_main
 from gproj_patch.audit.cases import CASES, get_case, select_cases
+from tests.helpers.paths import REPO
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # small tile products: 2-3x faster with one thread on a shared 2-core machine
-    with audit_run.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 CASE_FIELDS = {"name", "description", "gauge_regime", "key_offset", "sweep", "format_in_range", "shape", "mask",
                "expected", "results"}
 TOP_FIELDS = {"tool", "version", "torch", "device", "dtype", "quick", "seed", "threads", "elapsed_s", "translation_sigma",

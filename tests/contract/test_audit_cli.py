@@ -2,7 +2,6 @@
 (exit 2, one line), one plain-text table whatever is installed, a quiet stderr, plain-English counts,
 ``--version``, ``python -m gproj_patch startup``, and a readable plot."""
 import json
-import os
 import subprocess
 import sys
 import types
@@ -13,8 +12,9 @@ from gproj_patch import __version__
 from gproj_patch.__main__ import main as cli_main
 from gproj_patch.audit import cli
 from gproj_patch.audit import report as audit_report
+from tests.helpers.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import gproj_patch
 from gproj_patch.__main__ import main as cli_main
 from gproj_patch.audit import Report, check
 from gproj_patch.audit.pytest_plugin import gproj_audit  # noqa: F401  (the fixture, also without the entry point)
-from gproj_patch.audit.run import torch_threads
+from tests.helpers.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = "witness,diffuse,key_offset_128,causal_top_left,window,gqa,varlen"  # a few seconds on a CPU
 UNC = "test_audit_plugin:eager_bf16_attention"
@@ -51,10 +51,7 @@ def dense_only_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):
     return gproj_wrapped_attention(q, k, v, scale=scale)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ status on a CPU no longer depending on timing. Building and installing the wheel
 import importlib.util
 import inspect
 import os
-import pathlib
 import sys
 import typing
 
@@ -11,8 +10,9 @@ import pytest
 import torch
 
 import gproj_patch
+from tests.helpers.paths import REPO
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = REPO
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11; the metadata is read, not built, here
 
 

@@ -1,12 +1,12 @@
 """The package's shape: backends/ is pure numerics, no import cycles, ARCHITECTURE.md names every module, every
 private upstream touch-point works on the installed versions (issue 9.2, 9.4, 9.6)."""
 import ast
-import pathlib
 
 import pytest
 import torch
+from tests.helpers.paths import REPO
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = REPO
 PKG = ROOT / "gproj_patch"
 
 

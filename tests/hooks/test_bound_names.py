@@ -23,6 +23,7 @@ import gproj_patch
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.integrations import sdpa as sdpa_hook
 from gproj_patch.ops import sdpa as sdpa_op
+from tests.helpers.numerics import rel as _rel
 
 # The builtin is always read as ``sdpa_op.C_SDPA`` (gproj_patch's globals are never rebound): a global of this
 # test module holding it would itself be a name bound before enable(), and rebound.
@@ -69,10 +70,6 @@ def _offset_inputs(seed=0, B=1, H=2, S=64, D=32):
     u = torch.randn(D, generator=g, dtype=torch.float64)
     k = k + KEY_OFFSET_SIGMA * math.sqrt(D) * (u / u.norm())
     return tuple(t.bfloat16() for t in (q, k, v, do))
-
-
-def _rel(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def _grads(fn, q, k, v, do):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward
+from tests.helpers.numerics import rel as _rel
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -28,10 +29,6 @@ def _inputs(seed, B=2, H=4, Hkv=4, S=384, D=64, offset=512.0):
     v = torch.randn(B, Hkv, S, D, device="cuda", generator=g, dtype=torch.float64)
     do = torch.randn(B, H, S, D, device="cuda", generator=g, dtype=torch.float64)
     return [t.to(torch.bfloat16) for t in (q, k, v, do)]
-
-
-def _rel(a, b):
-    return float((a.double() - b).norm() / b.norm())
 
 
 def _run(q, k, v, do, **kw):

@@ -13,28 +13,9 @@ import gproj_patch
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.integrations import fa_records
 from gproj_patch.integrations import flash_attn as fa_hook
-
-CALLS = 6
-
+from tests.helpers.memory import CALLS, assert_tier_ran, flat as _flat
 
 pytestmark = pytest.mark.usefixtures("patch_off")
-
-
-def live_tensor_bytes() -> int:
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.Tensor):
-            continue
-        try:
-            if not obj.is_meta:
-                storage = obj.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-        except Exception:  # noqa: BLE001 - tensors without storage (nested, fake) are not counted
-            continue
-    return total
 
 
 def _inputs(dtype=torch.bfloat16, B=1, H=2, S=64, D=32, Hkv=None, seed=0):
@@ -43,16 +24,6 @@ def _inputs(dtype=torch.bfloat16, B=1, H=2, S=64, D=32, Hkv=None, seed=0):
     k = torch.randn(B, Hkv or H, S, D, generator=g).to(dtype).requires_grad_()
     v = torch.randn(B, Hkv or H, S, D, generator=g).to(dtype).requires_grad_()
     return q, k, v
-
-
-def _flat(step):
-    """Run ``step`` CALLS times; the live bytes after the last call equal those after the second."""
-    sizes = []
-    for _ in range(CALLS):
-        step()
-        sizes.append(live_tensor_bytes())
-    assert sizes[-1] <= sizes[1], sizes  # the first call may create caches (kernels, interned contexts)
-    return sizes
 
 
 def _sdpa_step(q, k, v, **kw):

@@ -9,6 +9,7 @@ from gproj_patch.backends import compat
 from gproj_patch.ops import masks as gp_masks
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.backends.spec import MaskSpec
+from tests.helpers.numerics import rel as _rel
 
 
 
@@ -35,10 +36,6 @@ def _inputs(dtype=torch.bfloat16, B=2, H=4, Hkv=None, Sq=24, Sk=None, D=16, offs
     v = torch.randn(B, Hkv or H, Sk or Sq, D, generator=g).to(dtype).requires_grad_()
     do = torch.randn(B, H, Sq, D, generator=g).to(dtype)
     return q, k, v, do
-
-
-def _rel(got, want):
-    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
 CASES = {

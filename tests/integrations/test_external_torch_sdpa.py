@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 EXTERNAL = REPO / "tests" / "external"
 sys.path.insert(0, str(EXTERNAL))
 import harness  # noqa: E402  (tests/external/harness.py)

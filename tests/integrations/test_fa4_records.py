@@ -1,5 +1,5 @@
 """FA4 forwards leave records their backwards find (issue 19 item 2), on the CPU stand-in of flash-attn-4 4.0.0b36
-(``tests/fa4_standin.py``: the release's autograd Functions verbatim, its forward and backward modelled).
+(``tests/helpers/fa4_standin.py``: the release's autograd Functions verbatim, its forward and backward modelled).
 
 4.0.0b36's ``FlashAttnFunc`` returns ``(out, lse)`` and saves ``lse`` — one of its own outputs — for the backward.
 Autograd saves an output as a new tensor object sharing its storage, so the ``lse`` object the forward returned
@@ -19,7 +19,8 @@ from gproj_patch.backends.reference import reference_backward
 from gproj_patch.integrations import fa_records
 from gproj_patch.integrations import flash_attn as fa_hook
 
-import fa4_standin
+from tests.helpers import fa4_standin
+from tests.helpers.numerics import bhsd as _bhsd, rel as _rel
 
 pytestmark = pytest.mark.usefixtures("patch_off")
 
@@ -48,14 +49,6 @@ def _layer_inputs(seed, offset, total=None):
     q, k, v, do = (torch.randn(*lead, h, D, generator=g) for h in (H, HKV, HKV, H))
     k = k + offset
     return tuple(t.bfloat16() for t in (q, k, v, do))
-
-
-def _bhsd(t, varlen=False):
-    return t.unsqueeze(0).transpose(1, 2) if varlen else t.transpose(1, 2)
-
-
-def _rel(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def _oracle(q, k, v, do, cu=None):

@@ -5,7 +5,7 @@ the sink logit in every row's softmax denominator and returns an LSE that includ
 #2706, ``_flash_attn_bwd(..., learnable_sink=...)`` computes dsink itself and returns ``(dq, dk, dv, dsink)``
 (dsink like the sink); ``FlashAttnFunc.backward`` unpacks four values then. Before it, the backward was never
 given the sink (``(dq, dk, dv)``, no sink gradient). Both run on the CPU stand-in of 4.0.0b36
-(``tests/fa4_standin.py``: the release's ``FlashAttnFunc`` verbatim — ``(out, lse)`` returned, ``lse`` saved —,
+(``tests/helpers/fa4_standin.py``: the release's ``FlashAttnFunc`` verbatim — ``(out, lse)`` returned, ``lse`` saved —,
 the forward the fp64 reference with the sink as an extra softmax column, the "original" backward an uncorrected
 BF16 emulation, FA's roundings, so it leaks as FA4 does); the earlier release as the same Function whose
 backward does not pass the sink.
@@ -25,8 +25,9 @@ from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.integrations import fa_records
 from gproj_patch.integrations import flash_attn as fa_hook
 
-import fa4_standin
-from fa4_standin import exact_attention
+from tests.helpers import fa4_standin
+from tests.helpers.fa4_standin import exact_attention
+from tests.helpers.numerics import rel as _rel
 
 BOUND = 5e-3          # corrected BF16 gradients (and dsink) against fp64: the 0.5%
 FAR = 10.0            # the original (uncorrected) dq: at least this many times the corrected error
@@ -41,11 +42,6 @@ pytestmark = pytest.mark.usefixtures("patch_off")
 
 def _bhsd(t):
     return t.transpose(1, 2)
-
-
-def _rel(got, want):
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm()).item()
 
 
 def _head_errors(got, want):

@@ -9,7 +9,8 @@ import gproj_patch
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.integrations import flash_attn as fa_hook
 
-import fa4_standin
+from tests.helpers import fa4_standin
+from tests.helpers.numerics import bhsd as _bhsd, rel as _rel
 
 NS = "gproj_fa_test"
 CALLS = {"dense": 0, "varlen": 0}
@@ -72,10 +73,6 @@ def _fa_inputs(B=2, S=32, H=4, Hkv=2, D=16, offset=16.0, seed=0, varlen_lens=Non
     return q, k, v, do
 
 
-def _bhsd(x, varlen):
-    return x.unsqueeze(0).transpose(1, 2) if varlen else x.transpose(1, 2)
-
-
 def _forward(q, k, v, causal, cu=None, window=(-1, -1)):
     varlen = cu is not None
     out, lse = reference_forward(*(_bhsd(t, varlen) for t in (q, k, v)), causal=causal,
@@ -87,10 +84,6 @@ def _forward(q, k, v, causal, cu=None, window=(-1, -1)):
 @pytest.fixture(autouse=True)
 def _clean(patch_off):
     CALLS.update(dense=0, varlen=0)
-
-
-def _rel(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def _enable_with_test_ops(monkeypatch, mode="gproj"):
@@ -206,7 +199,7 @@ def test_real_flash_attn_func():
 
 
 def _fake_fa4(monkeypatch):
-    """flash-attn-4 4.0.0b36's ``flash_attn.cute.interface`` as the CPU stand-in (``tests/fa4_standin.py``): its
+    """flash-attn-4 4.0.0b36's ``flash_attn.cute.interface`` as the CPU stand-in (``tests/helpers/fa4_standin.py``): its
     ``FlashAttnFunc`` looks ``_flash_attn_fwd`` / ``_flash_attn_bwd`` up as module globals, returns
     ``(out, lse)`` and saves ``lse``; ``CALLS["original"]`` counts its own backward."""
     iface = fa4_standin.load(monkeypatch)

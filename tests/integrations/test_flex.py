@@ -13,17 +13,15 @@ import torch
 
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.audit.cases import get_case
 from gproj_patch.integrations import flex as hook
 from gproj_patch.ops import flex as flex_op
 from gproj_patch.ops import flex_masks
 
 fam = pytest.importorskip("torch.nn.attention.flex_attention")
-from tests.test_memory import _flat  # noqa: E402
-
-TARGET = 5e-3  # issue 10: dq, dk, dv within 0.5% of fp64
-UNPATCHED = fam.flex_attention  # bound at import, before any install(): the hook swaps this function's code
-ORIGINAL_CODE = UNPATCHED.__code__
+from tests.helpers.flex_cases import ORIGINAL_CODE, UNPATCHED, causal  # noqa: E402
+from tests.helpers.flex_cases import block_mask as _bm, case_inputs as _case, check as _check, leaf as _leaf  # noqa: E402
+from tests.helpers.memory import flat as _flat  # noqa: E402
+from tests.helpers.numerics import rel as _rel  # noqa: E402
 
 
 def unpatched(*args, **kwargs):
@@ -42,10 +40,6 @@ def _clean(patch_off):
 
 
 # ---- masks used below: module-level (pure) and closures ------------------------------------------------
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
 def strictly_past(b, h, q_idx, kv_idx):
     return q_idx > kv_idx
 
@@ -77,22 +71,6 @@ def documents(doc_ids, is_causal=True):
     return doc_mask
 
 
-def _bm(mask_mod, sq, sk, B=None, H=None, device="cpu"):
-    return fam.create_block_mask(mask_mod, B, H, sq, sk, device=device)
-
-
-def _rel(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_()
-
-
-def _case(name, dtype=torch.bfloat16, device="cpu"):
-    return get_case(name).build(seed=0, dtype=dtype, device=device, quick=True)
-
-
 def _grads(fn, q, k, v, do, **kw):
     qq, kk, vv = (_leaf(t) for t in (q, k, v))
     out = fn(qq, kk, vv, **kw)
@@ -108,12 +86,6 @@ def _step(fn, inp, bm):
         fn(q, k, v, block_mask=bm).backward(inp.do)
         q.grad = k.grad = v.grad = None
     return step
-
-
-def _check(grads, ref):
-    errs = [_rel(g, r) for g, r in zip(grads, ref[:3])]
-    assert max(errs) < TARGET, errs
-    return errs
 
 
 # ---- install / uninstall ---------------------------------------------------------------------------------

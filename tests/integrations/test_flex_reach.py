@@ -33,7 +33,10 @@ from gproj_patch.integrations import flex as hook
 from gproj_patch.integrations import flex_reach
 
 fam = pytest.importorskip("torch.nn.attention.flex_attention")
-from tests.test_flex import ORIGINAL_CODE, TARGET, UNPATCHED, _bm, _case, _check, _leaf, _rel, causal  # noqa: E402
+from tests.helpers.flex_cases import ORIGINAL_CODE, TARGET, UNPATCHED, causal  # noqa: E402
+from tests.helpers.flex_cases import block_mask as _bm, case_inputs as _case, check as _check, leaf as _leaf  # noqa: E402
+from tests.helpers.numerics import rel as _rel  # noqa: E402
+from tests.helpers.paths import REPO  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 UNCORRECTED_FAR = 0.05  # the uncorrected dq error on the offset case is above this (measured: 36% at 128σ)
@@ -219,7 +222,7 @@ HF_SCRIPT = textwrap.dedent("""
 def test_hf_flex_attention_model_trains_on_cpu_in_a_fresh_process():
     """HF compiles flex with Inductor, which on CPU returns no LSE: the hook must not ask for one there."""
     pytest.importorskip("transformers")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPROJ_")}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, "-c", HF_SCRIPT], capture_output=True, text=True, env=env, cwd=root,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 import subprocess
 import sys
 
@@ -24,12 +23,14 @@ import gproj_patch
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.audit.cases import witness_parameters
 from gproj_patch.integrations import hf_eager
-from tests.test_memory import _flat, live_tensor_bytes  # noqa: F401  (live_tensor_bytes: used by _flat)
+from tests.helpers.memory import flat as _flat  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.t5 import modeling_t5  # noqa: E402
+from tests.helpers.numerics import rel  # noqa: E402
+from tests.helpers.paths import REPO  # noqa: E402
 
 OFFSET = 128.0                                   # common key offset in σ
 BOUND = {torch.bfloat16: 5e-3, torch.float16: 1.5e-3}   # 0.5% target; FP16 kernel as tests/test_triton_kernel.py
@@ -58,11 +59,6 @@ class _Attention(torch.nn.Module):
         if sinks is not None:
             self.sinks = torch.nn.Parameter(sinks)
         self.eval()
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def make(dtype, *, seed=0, offset=OFFSET, orthogonal=False):
@@ -161,7 +157,7 @@ def test_install_before_transformers_is_imported():
         "assert not any(n.startswith('transformers') for n in import_hooks.pending())",
     ])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=str(REPO))
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -19,13 +19,14 @@ import torch
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.ops import attention_sink
-from tests.test_memory import _flat
+from tests.helpers.memory import flat as _flat
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma2 import modeling_gemma2  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 
 from gproj_patch.integrations.transformers import gproj_attention_forward  # noqa: E402
+from tests.helpers.numerics import rel  # noqa: E402
 
 B, H, HKV, S, D = 2, 4, 2, 48, 32
 OFFSET = 128.0
@@ -37,11 +38,6 @@ NO_SINK_HEAD = 0                         # the exact dS row sum is ~0 there: the
 
 
 pytestmark = pytest.mark.usefixtures("sdpa_and_transformers_on")  # tests/conftest.py
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def make(dtype, *, seed=0, device="cpu"):

@@ -6,40 +6,19 @@ checks that a wheel built from this checkout carries the same file at its root.
 """
 import ast
 import os
-import site
 import subprocess
 import sys
 import sysconfig
 import textwrap
 import zipfile
-from pathlib import Path
 
 import pytest
 
 from gproj_patch.integrations import startup
+from tests.helpers.paths import REPO
+from tests.helpers.startup import run_python as _run
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def userbase(tmp_path_factory):
-    if not site.ENABLE_USER_SITE:
-        pytest.skip("user site directories are disabled in this interpreter (e.g. an isolated venv)")
-    base = tmp_path_factory.mktemp("userbase")
-    env = dict(os.environ, PYTHONUSERBASE=str(base))
-    usersite = subprocess.run([sys.executable, "-c", "import site; print(site.getusersitepackages())"],
-                              env=env, capture_output=True, text=True, check=True).stdout.strip()
-    os.makedirs(usersite)
-    startup.install_pth(usersite)
-    return base
-
-
-def _run(userbase, code, timeout=120, cmd=None, **env):
-    full = {k: v for k, v in os.environ.items() if not k.startswith("GPROJ_")}
-    full.update(PYTHONUSERBASE=str(userbase), PYTHONPATH=str(ROOT) + os.pathsep + full.get("PYTHONPATH", ""))
-    full.update(env)
-    return subprocess.run(cmd or [sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True,
-                          text=True, timeout=timeout, cwd=str(ROOT))
+ROOT = REPO
 
 
 def test_pth_line_is_the_one_setup_py_ships():

@@ -10,6 +10,7 @@ import gproj_patch  # noqa: E402
 from gproj_patch import policy  # noqa: E402
 from gproj_patch.state import STATE  # noqa: E402
 from gproj_patch.integrations.trainer import GProjCallback  # noqa: E402
+from tests.helpers.paths import REPO  # noqa: E402
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -160,7 +161,7 @@ def test_only_main_process_warns(caplog):
 def test_example_script_runs(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_llama.py"
+    path = REPO / "examples" / "train_tiny_llama.py"
     spec = importlib.util.spec_from_file_location("train_tiny_llama", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

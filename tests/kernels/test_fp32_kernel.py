@@ -9,7 +9,7 @@ chunked tier 6.7e-5 there) — ten times below the chunked tier's test bar and f
 product gives.
 
 dk is held to the same 1e-4, against an fp64 evaluation of the kernel's own products: the exact dk plus the
-first-order effect of the difference between the two launches' fp32 dP (``tests/launch_mismatch.py``). The
+first-order effect of the difference between the two launches' fp32 dP (``tests/helpers/launch_mismatch.py``). The
 dQ-major launch derives λ from its dP = dO·Vᵀ, the KV-major launch forms P∘(dP − D − λ) from its own V·dOᵀ;
 whether those are bitwise transposes depends on the BLAS kernel (issue 19 item 5: OpenBLAS's SkylakeX sgemm yes,
 its Haswell sgemm — ``OPENBLAS_CORETYPE=Haswell`` — no, 1–2 ulps apart on ~40% of the elements at equal
@@ -34,9 +34,10 @@ from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward, kernel_unsupported_reason  # noqa: E402
 from gproj_patch.audit.cases import get_case  # noqa: E402
 from gproj_patch.record import Problem  # noqa: E402
-from tests.launch_mismatch import dk_mismatch_term, dp_launch_mismatch  # noqa: E402
+from tests.helpers.launch_mismatch import dk_mismatch_term, dp_launch_mismatch  # noqa: E402
+from tests.helpers.numerics import rel  # noqa: E402
 
-#: relative error bound against fp64 (the chunked FP32 tier is held to 1e-3 in tests/test_fp32_tier.py)
+#: relative error bound against fp64 (the chunked FP32 tier is held to 1e-3 in tests/numerics/test_fp32_tier.py)
 FP32_KERNEL_BOUND = 1e-4
 #: a missing projection must be at least this many times the bound away
 FAR = 100.0
@@ -48,11 +49,6 @@ CASES = ["key_offset_128", "key_offset_512", "sink_offset_64", "repeated_max", "
 def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(triton_bwd, "_POISON_OUTPUTS", True)
-
-
-def rel(x, ref):
-    n = ref.norm()
-    return float((x.double() - ref).norm() / n) if n > 0 else float(x.double().abs().max())
 
 
 def saved_forward(q, k, v, **mask):

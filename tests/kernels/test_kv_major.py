@@ -117,7 +117,7 @@ def test_default_configs_compile_for_sm90a_without_spills(head_dim):
     fails here, in CI, before any GPU run."""
     import importlib.util
     import os
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gluon_check.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gluon_check.py")
     spec = importlib.util.spec_from_file_location("gluon_check_cpu", path)
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)

@@ -15,6 +15,7 @@ from gproj_patch.backends import triton_bwd  # noqa: E402
 from gproj_patch.backends.emulation import emulated_backward  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward, kernel_unsupported_reason  # noqa: E402
+from tests.helpers.numerics import kernel_inputs as make, rel  # noqa: E402
 
 TIGHT = 3e-4   # kernel vs FP16 emulation (both rounded to fp16 at the end)
 LOOSE = 1.5e-3  # GProj kernel vs fp64
@@ -24,22 +25,6 @@ LOOSE = 1.5e-3  # GProj kernel vs fp64
 def _interpret(monkeypatch):
     monkeypatch.setenv("GPROJ_TIER", "triton")
     monkeypatch.setattr(triton_bwd, "_POISON_OUTPUTS", True)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    n = b.norm()
-    return float((a - b).norm() / n) if n > 0 else float((a - b).abs().max())
-
-
-def make(B, H, HKV, SQ, SK, D, *, offset=0.0, seed=0, dtype=torch.float16):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, SQ, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, HKV, SK, D, generator=g, dtype=torch.float64)
-    k = k + offset * torch.randn(D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, HKV, SK, D, generator=g, dtype=torch.float64)
-    do = torch.randn(B, H, SQ, D, generator=g, dtype=torch.float64)
-    return tuple(x.to(dtype) for x in (q, k, v, do))
 
 
 def forward(q, k, v, **mask):

@@ -2,15 +2,11 @@
 import pytest
 import torch
 
-from gproj_patch.audit.run import torch_threads
 from gproj_patch.backends.emulation import emulated_backward, emulated_forward
 from gproj_patch.backends.fp32_tier import fp32_backward, fp32_forward
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # small tile products: 2-3x faster with one thread on a shared 2-core machine
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(B=1, H=2, Hkv=2, Sq=16, Sk=24, D=16, dtype=torch.bfloat16, seed=0):

@@ -2,22 +2,15 @@
 import pytest
 import torch
 
-from gproj_patch.audit.run import torch_threads
 from gproj_patch.backends.emulation import emulated_backward, emulated_forward
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.audit.cases import get_case, witness_parameters
+from tests.helpers.numerics import rel
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # small tile products: 2-3x faster with one thread on a shared 2-core machine
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FMTS = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def rel(x, ref):
-    return float((x.double() - ref).norm() / ref.norm())
 
 
 def run(inp, fmt, k=None, **kw):

@@ -2,20 +2,13 @@
 import pytest
 import torch
 
-from gproj_patch.audit.run import torch_threads
 from gproj_patch.backends.fp32_tier import dropout_keep, fp32_backward, fp32_forward
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.audit.cases import CASES, get_case
+from tests.helpers.numerics import rel
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # small tile products: 2-3x faster with one thread on a shared 2-core machine
-    with torch_threads(1):
-        yield
-
-
-def rel(x, ref):
-    return float((x.double() - ref).norm() / ref.norm())
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def check_close(grads, ref, tol):

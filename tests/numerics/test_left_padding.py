@@ -16,6 +16,7 @@ import torch
 from gproj_patch import record, router, telemetry
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.ops.masks import PackedPadding, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
+from tests.helpers.numerics import rel
 
 B, H, HKV, S, D = 3, 4, 2, 40, 32
 LEFT_PADS = (0, 7, 19)          # pad tokens in front of each batch entry
@@ -23,11 +24,6 @@ RIGHT_PAD_ROWS = 5              # entry 0 is right padded instead (rows with zer
 OFFSET = 128.0                  # common key offset in σ (the regime where uncorrected gradients leak)
 BOUND = {torch.bfloat16: 5e-3, torch.float16: 1.5e-3}   # the 0.5% target; FP16 as tests/test_triton_kernel.py
 WRONG_SEGMENTS_FAR = 0.05       # pad keys left inside the live segments: far off (so the checks can fail)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def left_padded_mask(pads, s=S, window=None):

@@ -37,6 +37,7 @@ from gproj_patch.backends.fp32_tier import fp32_backward, fp32_forward
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.spec import SINK_SOFTCAP_REASON
 from gproj_patch.audit.cases import witness_parameters
+from tests.helpers.numerics import rel
 
 #: sink logit minus log(Sk) per head (cycled): P_sink ≈ 0, ~1/2, ~0.95, ~1 on rows the offset does not move
 SINK_LEVELS = (-20.0, 0.0, 3.0, 8.0)
@@ -49,12 +50,6 @@ FP32_BOUND = 1e-4  # FP32 tier against fp64
 FAR = 10.0        # "far off": at least this many times GProj's error
 NAIVE_FAR = 0.5   # a projection that ignores the sink: at least 50% dq error on the sink heads
 FMT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    n = b.norm()
-    return float((a - b).norm() / n) if n > 0 else float((a - b).abs().max())
 
 
 def make(B, H, HKV, SQ, SK, D, *, offset=0.0, orthogonal=False, seed=0, dtype=torch.float16, device="cpu"):

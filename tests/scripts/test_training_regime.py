@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 sys.path.insert(0, BENCH)
 tr = importlib.import_module("training_regime")
 data = importlib.import_module("training_regime_data")

@@ -1,0 +1,13 @@
+"""Shared test helpers, importable from every test folder as ``tests.helpers.<module>`` (pyproject's
+``[tool.pytest.ini_options] pythonpath = ["."]`` puts the repository root on ``sys.path``).
+
+* ``paths``: the repository root, for tests that read its files or run its scripts in subprocesses.
+* ``numerics``: the relative error measure every numerical test uses, and layout conversions.
+* ``memory``: live tensor bytes and the flat-memory check of repeated forward+backward calls, and the assertion
+  that the corrected tier ran.
+* ``flex_cases``: the FlexAttention masks, inputs and bounds shared by the flex hook tests.
+* ``adversarial``: the adversarial BF16 kernel suite (key offsets to 512σ, sinks, P == 1 rows, ...), shared with
+  ``benchmarks/device_check.py`` and ``benchmarks/gluon_check.py``.
+* ``fa4_standin``: a CPU stand-in for flash-attn-4's ``flash_attn.cute.interface``.
+* ``launch_mismatch``: what the GProj kernel's two separate dP products do to dk.
+"""

@@ -1,0 +1,29 @@
+"""The error measure and layout conversions shared by the numerical tests."""
+import torch
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative error ‖got − want‖ / ‖want‖ in fp64 (Frobenius norm over all elements); where the reference is
+    exactly zero, the largest absolute difference instead, so an exact-zero reference still measures something."""
+    got, want = got.double(), want.double()
+    norm = want.norm()
+    if norm > 0:
+        return float((got - want).norm() / norm)
+    return float((got - want).abs().max())
+
+
+def bhsd(t: torch.Tensor, varlen: bool = False) -> torch.Tensor:
+    """flash-attn's (B, S, H, D) layout — (total, H, D) when ``varlen`` — as the oracle's (B, H, S, D)."""
+    return t.unsqueeze(0).transpose(1, 2) if varlen else t.transpose(1, 2)
+
+
+def kernel_inputs(B, H, HKV, SQ, SK, D, *, offset=0.0, seed=0, dtype=torch.float16):
+    """q (B, H, SQ, D), k and v (B, HKV, SK, D), dO like q: N(0, 1) drawn in fp64, the keys shifted by a common
+    random vector times ``offset`` (the gauge leak's driver), then rounded to ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, SQ, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, HKV, SK, D, generator=g, dtype=torch.float64)
+    k = k + offset * torch.randn(D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, HKV, SK, D, generator=g, dtype=torch.float64)
+    do = torch.randn(B, H, SQ, D, generator=g, dtype=torch.float64)
+    return tuple(x.to(dtype) for x in (q, k, v, do))
