@@ -211,7 +211,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="the CPU stand-in of FA4 4.0.0b36 (tests/fa4_standin.py)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU stand-in of FA4 4.0.0b36 (tests/helpers/fa4_standin.py)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seqlen", type=int, default=None)
     ap.add_argument("--heads", type=int, default=8)

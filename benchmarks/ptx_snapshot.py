@@ -14,7 +14,7 @@ like each job; those go through Triton's own JIT binder for a CUDA sm_90 backend
 constexprs and divisibility attributes a real launch computes) and then ``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)`` (warp size 32, what the H200 has; Triton's CUDA options fix it at 32 whatever
 the target says). The Gluon KV-major kernel is compiled the same way from
-``gluon_bwd.dkdv_arguments`` (tests/test_kv_major.py's CPU compile does the same with ``mangle_type``). The
+``gluon_bwd.dkdv_arguments`` (tests/kernels/test_kv_major.py's CPU compile does the same with ``mangle_type``). The
 LSE kernel's arguments mirror ``triton_bwd.attention_lse``'s launch.
 
 ``--spills`` also runs Triton's ptxas (cubin) and ``cuobjdump -res-usage`` and prints registers and stack bytes

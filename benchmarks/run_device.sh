@@ -12,9 +12,9 @@ LOG="$OUT/all.log"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a "$LOG"
 # the integration files whole, then every other test with the gpu mark
 [ -n "${SKIP_TESTS:-}" ] || step gpu_tests "${GPU_TESTS_LIMIT:-120}" python3 -m pytest -q -rfE -p no:cacheprovider \
-    tests/test_gpu_integration.py tests/test_flash_attn_patch.py tests/test_triton_gpu.py ${GPU_TESTS_EXTRA:-}
+    tests/hooks/test_gpu_integration.py tests/integrations/test_flash_attn_patch.py tests/kernels/test_triton_gpu.py ${GPU_TESTS_EXTRA:-}
 [ -n "${SKIP_TESTS:-}" ] || step gpu_marked "${GPU_MARKED_LIMIT:-200}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-    $(grep -l "mark.gpu" tests/test_*.py | grep -v -e test_gpu_integration -e test_flash_attn_patch -e test_triton_gpu)
+    $(grep -l "mark.gpu" tests/*/test_*.py | grep -v -e test_gpu_integration -e test_flash_attn_patch -e test_triton_gpu)
 [ -n "${SKIP_MODEL:-}" ] || step model_check 140 python3 benchmarks/model_check.py --offset-sigma "${MODEL_OFFSET_SIGMA:-512}" --out "$OUT/model"
 [ -n "${SKIP_AUTO:-}" ] || step auto_check 140 python3 benchmarks/auto_check.py --out "$OUT/auto_check.json"
 [ -n "${SKIP_AUDIT:-}" ] || step audit 80 python3 -m gproj_patch audit --device cuda --no-progress --json "$OUT/audit_cuda.json" --plot "$OUT/audit_cuda.png"

@@ -15,7 +15,7 @@ What runs on the CPU in torch 2.13 (measured while writing this file):
   DTensors, and with the MATH backend DTensor computes the whole-row attention by redistribution (not a ring).
   That is what is tested here (non-causal: a causal CP call on the math backend raises as above).
 
-The worker runs in a subprocess (``python tests/test_dtensor.py OUTDIR`` spawns the two ranks); each rank
+The worker runs in a subprocess (``python tests/hooks/test_dtensor.py OUTDIR`` spawns the two ranks); each rank
 saves what it measured, and the tests below judge it.
 """
 import logging

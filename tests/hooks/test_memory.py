@@ -165,7 +165,7 @@ def test_flash_attn_records_do_not_outlive_their_backward(monkeypatch, mode, tie
 def test_fa4_original_path_keeps_function_attributes(monkeypatch):
     """FA4's own backward (mode off: the original) reads ``_flash_attn_bwd.compile_cache`` through the module
     global: with the proxy in place that still works (issue 8.4: AttributeError before). The sink-specific
-    version is tests/test_fa4_sinks.py."""
+    version is tests/integrations/test_fa4_sinks.py."""
     iface, func = _fake_fa4(monkeypatch)
     original = iface._flash_attn_bwd
     gproj_patch.enable(mode="off", targets=("flash_attn",))

@@ -10,7 +10,7 @@ scale, which inputs require grad and a common key offset. Checked for every case
   and stays finite where the unpatched one is;
 * BF16/FP16 gradients of the corrected calls are within 0.5 % of the fp64 oracle (``backends.reference``)
   on the same inputs, mask and scale, a bound the leak of an uncorrected BF16
-  backward exceeds on the offset cases (``tests/test_sdpa_patch.py``).
+  backward exceeds on the offset cases (``tests/hooks/test_sdpa_patch.py``).
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ TIMEOUT_S = 1500
 # "Class::test" -> why it fails only with the patch (a shim defect being fixed). Strict: an entry that passes with
 # the patch again, or is no longer selected, fails the runner until it is removed here. The last entries (torch.jit
 # scripting nn.MultiheadAttention under enable()) were fixed by registering the wrapper as TorchScript's
-# aten::scaled_dot_product_attention (tests/test_transparency.py).
+# aten::scaled_dot_product_attention (tests/hooks/test_transparency.py).
 KNOWN_SHIM_FAILURES: dict = {}  # the TorchScript defect (scripting nn.MultiheadAttention) is fixed
 
 

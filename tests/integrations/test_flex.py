@@ -4,7 +4,7 @@ adversarial inputs, masks recognised only when provably equal, everything else p
 CPU: PyTorch's flex has no CPU backward, so the hooked calls run the FP32 tier there (the original raises);
 ``torch.compile`` is exercised with the aot_eager backend. GPU tests (marked ``gpu``): compiled flex (Inductor)
 on CUDA, the GProj kernel, the uncorrected compiled flex as the witness of the leak. Run them with
-``PYTHONPATH=. python -m pytest -q -m gpu tests/test_flex.py``.
+``PYTHONPATH=. python -m pytest -q -m gpu tests/integrations/test_flex.py``.
 """
 import os
 

@@ -7,7 +7,7 @@ Triton kernel in the interpreter on FP16, with causal, left-padded and non-patte
 eager gradient is far off; gpt-oss's sink column (dsink included); the four-key witness exactly 0; ``stats()``
 counting; live tensor bytes flat; the pass-through reasons (dropout, unknown functions, position bias); a
 gradient on the weights taking the original backward bit for bit; install by identity and at a later import.
-GPU: ``PYTHONPATH=. python -m pytest -q -m gpu tests/test_hf_eager.py``.
+GPU: ``PYTHONPATH=. python -m pytest -q -m gpu tests/integrations/test_hf_eager.py``.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from tests.helpers.numerics import rel  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 
 OFFSET = 128.0                                   # common key offset in σ
-BOUND = {torch.bfloat16: 5e-3, torch.float16: 1.5e-3}   # 0.5% target; FP16 kernel as tests/test_triton_kernel.py
+BOUND = {torch.bfloat16: 5e-3, torch.float16: 1.5e-3}   # 0.5% target; FP16 kernel as tests/kernels/test_triton_kernel.py
 UNPATCHED_FAR = 0.05                             # the unpatched eager dq error on the offset case is above this
 B, H, HKV, S, D = 2, 4, 2, 48, 32
 

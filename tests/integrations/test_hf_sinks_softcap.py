@@ -6,7 +6,7 @@ with ``Problem.sink`` / ``Problem.softcap`` and is checked against the fp64 orac
 the queries cannot see (the scores, the sink weights and the softcap's tanh keep their level; only the
 gradients carry the offset) — the FP32 tier on BF16 and the kernel in Triton's interpreter on FP16, causal and
 left padded — where plain autograd of the same forward is far off. ``stats()`` counts the calls; live tensor
-bytes stay flat. GPU: ``PYTHONPATH=. python -m pytest -q -m gpu tests/test_hf_sinks_softcap.py``.
+bytes stay flat. GPU: ``PYTHONPATH=. python -m pytest -q -m gpu tests/integrations/test_hf_sinks_softcap.py``.
 """
 from __future__ import annotations
 

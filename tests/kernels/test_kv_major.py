@@ -1,6 +1,6 @@
 """The per-call choice of the KV-major kernel (Gluon on sm_90, tl elsewhere) on CPU: the predicate's reasons,
 the explicit ``kv_major=`` argument, and ``stats()`` counting which kernel ran. The Gluon kernel itself runs in
-``tests/test_gluon_gpu.py`` (H200)."""
+``tests/kernels/test_gluon_gpu.py`` (H200)."""
 from __future__ import annotations
 
 import pytest

@@ -2,7 +2,7 @@
 
 Tight: against the FP16 emulation (rounding where the kernel rounds), after rounding the emulation's fp32
 result to fp16 like the kernel's output. Loose: against the fp64 reference. BF16 runs on the GPU only
-(tests/test_triton_gpu.py): the interpreter's BF16 is inexact.
+(tests/kernels/test_triton_gpu.py): the interpreter's BF16 is inexact.
 """
 from __future__ import annotations
 

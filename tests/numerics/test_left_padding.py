@@ -22,7 +22,7 @@ B, H, HKV, S, D = 3, 4, 2, 40, 32
 LEFT_PADS = (0, 7, 19)          # pad tokens in front of each batch entry
 RIGHT_PAD_ROWS = 5              # entry 0 is right padded instead (rows with zero dO, keys still visible)
 OFFSET = 128.0                  # common key offset in σ (the regime where uncorrected gradients leak)
-BOUND = {torch.bfloat16: 5e-3, torch.float16: 1.5e-3}   # the 0.5% target; FP16 as tests/test_triton_kernel.py
+BOUND = {torch.bfloat16: 5e-3, torch.float16: 1.5e-3}   # the 0.5% target; FP16 as tests/kernels/test_triton_kernel.py
 WRONG_SEGMENTS_FAR = 0.05       # pad keys left inside the live segments: far off (so the checks can fail)
 
 

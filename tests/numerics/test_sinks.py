@@ -41,11 +41,11 @@ from tests.helpers.numerics import rel
 
 #: sink logit minus log(Sk) per head (cycled): P_sink ≈ 0, ~1/2, ~0.95, ~1 on rows the offset does not move
 SINK_LEVELS = (-20.0, 0.0, 3.0, 8.0)
-#: GProj (emulation or kernel) against fp64, relative norm: FP16 as tests/test_triton_kernel.py, BF16 the 0.5% target
+#: GProj (emulation or kernel) against fp64, relative norm: FP16 as tests/kernels/test_triton_kernel.py, BF16 the 0.5% target
 BOUND = {torch.float16: 1.5e-3, torch.bfloat16: 5e-3}
 TIGHT = 3e-4      # FP16 kernel against the FP16 emulation (rounding at the same places)
 ORDER_FACTOR = 1.5  # kernel vs emulation: at most this times the emulation's own accumulation-order noise
-GPU_TIGHT = 3e-3  # BF16 kernel against the BF16 emulation (tests/test_triton_gpu.py)
+GPU_TIGHT = 3e-3  # BF16 kernel against the BF16 emulation (tests/kernels/test_triton_gpu.py)
 FP32_BOUND = 1e-4  # FP32 tier against fp64
 FAR = 10.0        # "far off": at least this many times GProj's error
 NAIVE_FAR = 0.5   # a projection that ignores the sink: at least 50% dq error on the sink heads
