@@ -111,6 +111,8 @@ def _nanmax(x: torch.Tensor) -> torch.Tensor:
     return x.max() if x.numel() else x.new_zeros(())
 
 
+ROW_INDEX_CACHE_SIZE = 256
+#: bounded cache: at most ROW_INDEX_CACHE_SIZE index tensors, one per (S, max_rows, device); emptied when full
 _ROW_INDEX: Dict[tuple, torch.Tensor] = {}
 
 
@@ -121,7 +123,7 @@ def _row_index(s: int, max_rows: Optional[int], device) -> Optional[torch.Tensor
     key = (s, max_rows, str(device))
     idx = _ROW_INDEX.get(key)
     if idx is None:
-        if len(_ROW_INDEX) > 256:
+        if len(_ROW_INDEX) >= ROW_INDEX_CACHE_SIZE:
             _ROW_INDEX.clear()
         idx = _ROW_INDEX[key] = torch.linspace(0, s - 1, max_rows, device=device).round().long()
     return idx
@@ -204,6 +206,7 @@ class _GraphedStatistics:
                      zip(flat.split([int(torch.Size(sh).numel()) for sh in self.shapes]), self.shapes))
 
 
+#: bounded cache: at most _GRAPH_CACHE_SIZE captured graphs, one per input signature; emptied when full
 _GRAPHS: Dict[tuple, "_GraphedStatistics"] = {}
 
 

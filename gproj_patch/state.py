@@ -11,6 +11,21 @@ starts a new step (or ``new_step()`` / ``set_step(n)`` say so explicitly; the Tr
 ... in forward order, so with the usual forward-all / backward-all pattern a layer keeps its id every step. The
 policy samples a layer every ``sample_every`` steps of this same counter.
 
+Three homes for what a module keeps between calls (no module re-binds a global at run time; only
+``gproj_patch/__init__.py``, which owns enable/disable, has ``global`` statements):
+
+* runtime state — counters, steps, layer records, logged-once sets, per-thread call bookkeeping — lives here, in
+  ``STATE``, and ``reset()`` clears it;
+* installed-hook bookkeeping — what a hook's ``install()`` saved for ``uninstall()`` to restore (the original
+  function, the rebound names, the pending import hook, the report last logged) — is one instance of a small
+  ``Installed...`` dataclass per hook, held in one module-level constant of that hook (``INSTALLED`` in
+  ``integrations/sdpa.py``, ``flash_attn.py``, ``flex.py``; ``STATUS`` in ``startup.py``; the meta-path finder
+  ``_WATCHER`` in ``import_hooks.py``), mutated in place and never re-bound. It is not cleared by ``reset()``: a reset of the statistics must not unhook anything
+  (``disable()`` does that);
+* a cache that speeds up a pure computation (the detector's row indices and CUDA graphs, flash-attn's forward
+  records filed until their backward, the audit's compiled flex) stays in its module with a comment
+  ``#: bounded cache: ...`` right above it saying what bounds it, and a test that it stays so bounded.
+
 This module imports nothing from the package (everyone imports it).
 """
 from __future__ import annotations
@@ -57,6 +72,9 @@ class RuntimeState:
             # router.kernel_reason's answers per key (device type, dtypes, head dims, B·H): cleared with the rest
             self.kernel_reasons: Dict[tuple, Optional[str]] = {}
             self.traced_layers.clear()
+            # integrations/sdpa.py: per thread, how many calls of the SDPA wrapper reached the patched path (a
+            # __torch_function__ override that never calls SDPA back is told apart by an unchanged count)
+            self.sdpa_reentry = threading.local()
 
     # --- steps ------------------------------------------------------------------------------------------
     def step(self) -> int:

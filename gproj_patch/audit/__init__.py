@@ -9,20 +9,19 @@ the start of every run in an environment with gproj_patch installed, and that mu
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .api import CaseResult, Report, check
     from .cli import main
 
-__all__ = ["check", "Report", "CaseResult", "main"]
-_WHERE = {"check": "api", "Report": "api", "CaseResult": "api", "main": "cli"}
+__all__ = ("check", "Report", "CaseResult", "main")
+_WHERE = MappingProxyType({"check": "api", "Report": "api", "CaseResult": "api", "main": "cli"})
 
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)  # sys.modules caches the module

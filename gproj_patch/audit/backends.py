@@ -26,11 +26,11 @@ class NotApplicable(Exception):
 @dataclass
 class Backend:
     name: str
-    run: Callable[[CaseInputs, torch.Tensor, "_Saved"], Grads]
+    run: Callable[[CaseInputs, torch.Tensor, "SavedForwards"], Grads]
     reason: Callable[[CaseInputs], Optional[str]] = lambda inp: None
 
 
-class _Saved:
+class SavedForwards:
     """Per (case, key variant) lazily computed emulated forward (saved O and LSE)."""
 
     def __init__(self, fmt: str):
@@ -44,14 +44,15 @@ class _Saved:
         return self.cache[key]
 
 
-def _fmt(inp: CaseInputs) -> str:
+def case_format(inp: CaseInputs) -> str:
+    """The emulation format of a case's inputs: "fp16" for FP16, else "bf16"."""
     return "fp16" if inp.q.dtype == torch.float16 else "bf16"
 
 
 def _emulated(correct: bool, dk_form: str = "two_product"):
-    def run(inp: CaseInputs, k, saved: _Saved) -> Grads:
+    def run(inp: CaseInputs, k, saved: SavedForwards) -> Grads:
         o, lse = saved.get(inp, k)
-        return emulated_backward(inp.q, k, inp.v, o, inp.do, lse, fmt=_fmt(inp), correct=correct,
+        return emulated_backward(inp.q, k, inp.v, o, inp.do, lse, fmt=case_format(inp), correct=correct,
                                  dk_form=dk_form, **inp.mask)
     return run
 
@@ -138,7 +139,7 @@ def _triton_reason(inp: CaseInputs) -> Optional[str]:
 
 
 def _triton(correct: bool):
-    def run(inp: CaseInputs, k, saved: _Saved) -> Grads:
+    def run(inp: CaseInputs, k, saved: SavedForwards) -> Grads:
         from ..backends import triton_bwd
         o, lse = saved.get(inp, k)
         return triton_bwd.gproj_backward(inp.do, inp.q, k, inp.v, o.to(inp.q.dtype), lse, correct=correct,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import zlib
+from types import MappingProxyType
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -260,7 +261,7 @@ CASES: Tuple[Case, ...] = (
     _case("witness", _witness, True, None, "the four-key witness (docs/math.md): exact dq coordinate 0"),
 )
 
-_BY_NAME = {c.name: c for c in CASES}
+_BY_NAME = MappingProxyType({c.name: c for c in CASES})
 
 
 def get_case(name: str) -> Case:

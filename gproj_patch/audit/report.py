@@ -11,7 +11,7 @@ import sys
 import textwrap
 from typing import List, Optional
 
-HEADER = ["case", "backend", "dq err", "dk err", "dv err", "gauge err", "note"]
+HEADER = ("case", "backend", "dq err", "dk err", "dv err", "gauge err", "note")
 NOTE_WIDTH = 44
 
 
@@ -49,7 +49,7 @@ def table_rows(cases: List[dict], backends: List[str]) -> List[List[str]]:
 def render_table(cases: List[dict], backends: List[str], stream=None) -> None:
     stream = stream or sys.stdout
     rows = table_rows(cases, backends)
-    widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
+    widths = [max(len(r[i]) for r in rows + [list(HEADER)]) for i in range(len(HEADER))]
 
     def line(r):
         cells = [x.ljust(w) if i < 2 or i == len(HEADER) - 1 else x.rjust(w)

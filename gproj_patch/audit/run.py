@@ -11,16 +11,17 @@ import contextlib
 import math
 import time
 import warnings
+from types import MappingProxyType
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from ..backends.reference import reference_backward
 from ..backends.spec import unit_roundoff
-from .backends import Backend, NotApplicable, _fmt, _Saved
+from .backends import Backend, NotApplicable, SavedForwards, case_format
 from .cases import CaseInputs
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 TRANSLATION_SIGMA = 16.0
 LEAK_MIN_U = 51.2  # the uncorrected dq error at 128σ must reach 51.2·u (BF16: 20%)
 GPROJ_MAX_U = 1.28  # emulated GProj's dq error stays within 1.28·u (BF16: 0.5%)
@@ -70,7 +71,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
-def _run_backend(be: Backend, inp: CaseInputs, k2: torch.Tensor, refs, saved: _Saved) -> dict:
+def _run_backend(be: Backend, inp: CaseInputs, k2: torch.Tensor, refs, saved: SavedForwards) -> dict:
     """One backend on one case: errors vs the oracle, gauge error, witness coordinate (or n/a / error)."""
     ref1, ref2 = refs
     res: dict = {}
@@ -104,7 +105,7 @@ def run_case(case, backends: List[Backend], dtype, device, quick: bool, seed: in
     k2 = _translated_keys(inp, seed)
     refs = (reference_backward(inp.q, inp.k, inp.v, inp.do, **inp.mask),
             reference_backward(inp.q, k2, inp.v, inp.do, **inp.mask))
-    saved = _Saved(_fmt(inp))
+    saved = SavedForwards(case_format(inp))
     results = {}
     for be in backends:
         t0 = time.perf_counter()

@@ -1,19 +1,24 @@
 """Every private upstream API the package touches, in one place, with the versions it was checked against.
 
-Each touch-point is a small function that either does its job or raises ``CompatError`` naming what changed —
-never a silently wrong result. ``tests/test_structure.py`` exercises each one on the installed versions, so an
-upstream change fails loudly in CI. Checked against: torch 2.11.0+cu130 (the H200 image) and 2.13.0 (CPU);
-transformers 5.17 (H200) and 5.24 (CPU); triton 3.6.0.
+Each touch-point is a small function (or, for names only, a constant) that either does its job or raises
+``CompatError`` naming what changed — never a silently wrong result. ``tests/test_structure.py`` exercises each
+one on the installed versions, so an upstream change fails loudly in CI. Checked against: torch 2.11.0+cu130 (the
+H200 image) and 2.13.0 (CPU); transformers 5.17 (H200) and 5.24 (CPU); triton 3.6.0; flash-attn-4 4.0.0b36.
+Imports of triton, transformers and flash-attn happen inside the functions: this module imports without them.
 
-| touch-point | upstream private name | used by |
-|---|---|---|
-| ``fused_sdpa_lse(grad_fn)`` | ``ScaledDotProduct{Cudnn,Flash,FlashForCpu,Efficient}AttentionBackward0`` and their ``_saved_logsumexp`` / ``_saved_log_sumexp`` | SDPA hook |
-| ``custom_op_def(qualname)`` | ``torch._library.custom_ops.OPDEFS``; ``CustomOpDef._backend_fns``, ``_init_fn``, ``_abstract_fn`` | flash-attn hook |
-| ``hf_registry_mapping(registry)`` | ``transformers`` ``AttentionInterface._global_mapping`` (and the mask interface's) | HF hook |
-| ``is_context_parallel_wrapper(fn)`` | ``torch.distributed.tensor.experimental._context_parallel._attention._replaced_functions`` | SDPA hook |
-| ``register_torchscript_builtin(fn, op)`` | ``torch.jit._builtins._register_builtin`` | SDPA hook (TorchScript) |
-| ``triton_interpreter_index_patch()`` | ``triton.runtime.interpreter._patch_lang_tensor`` | Triton kernel on CPU |
-| ``gluon_unsupported_reason(version)`` | ``triton.experimental.gluon`` (experimental: ``warp_specialize``'s signature, ``warpgroup_mma_init``, rank-1 ``NVMMASharedLayout`` TMA boxes) | Gluon KV-major kernel |
+| touch-point | upstream private name | checked | used by |
+|---|---|---|---|
+| ``fused_sdpa_lse(grad_fn)`` | ``ScaledDotProduct{Cudnn,Flash,FlashForCpu,Efficient}AttentionBackward0`` and their ``_saved_logsumexp`` / ``_saved_log_sumexp`` | torch 2.11, 2.13 | SDPA hook |
+| ``overrides_torch_function(cls)`` | ``torch._C._disabled_torch_function_impl`` (a subclass that opted out of ``__torch_function__``) | torch 2.11, 2.13 | SDPA hook |
+| ``custom_op_def(qualname)`` | ``torch._library.custom_ops.OPDEFS``; ``CustomOpDef._backend_fns``, ``_init_fn``, ``_abstract_fn`` | torch 2.11, 2.13 | flash-attn hook |
+| ``FA2_BACKWARD_OPS``, ``FA3_BACKWARD_OPS``, ``FA_FORWARD_OPS`` | flash-attn's private ops ``flash_attn::_flash_attn_{,varlen_}{forward,backward}`` (``flashattn::`` in newer FA2), ``flash_attn_3::_flash_attn_{forward,backward}`` | flash-attn 2.7–2.8, FA3 (H200 image) | flash-attn hook |
+| ``fa4_interface()`` | ``flash_attn.cute.interface._flash_attn_bwd`` / ``_flash_attn_fwd`` (module functions its autograd Functions look up as globals; JIT cache ``compile_cache`` on the function) | flash-attn-4 4.0.0b36 | flash-attn hook |
+| ``hf_registry_mapping(registry)`` | ``transformers`` ``AttentionInterface._global_mapping`` (and the mask interface's) | transformers 5.17, 5.24 | HF hooks |
+| ``is_context_parallel_wrapper(fn)`` | ``torch.distributed.tensor.experimental._context_parallel._attention._replaced_functions`` | torch 2.11, 2.13 | SDPA hook |
+| ``register_torchscript_builtin(fn, op)`` | ``torch.jit._builtins._register_builtin`` | torch 2.11, 2.13 | SDPA hook (TorchScript) |
+| ``dynamo_module_name()`` | the module ``torch._dynamo`` (imported first by ``torch.compile``; its import loads the compiled flex path) | torch 2.11, 2.13 | flex hook |
+| ``triton_interpreter_index_patch()`` | ``triton.runtime.interpreter._patch_lang_tensor`` | triton 3.6 | Triton kernel on CPU |
+| ``gluon_unsupported_reason(version)`` | ``triton.experimental.gluon`` (experimental: ``warp_specialize``'s signature, ``warpgroup_mma_init``, rank-1 ``NVMMASharedLayout`` TMA boxes) | triton 3.6 | Gluon KV-major kernel |
 
 This module imports nothing from the rest of the package.
 """
@@ -64,6 +69,20 @@ def fused_sdpa_lse(grad_fn) -> Optional[torch.Tensor]:
     raise CompatError(f"{type(node).__name__} has none of {_LSE_ATTRS}: PyTorch renamed the saved LSE")
 
 
+# ---- tensor subclasses: __torch_function__ ----------------------------------------------------------------
+def overrides_torch_function(cls) -> bool:
+    """True for a tensor subclass with its own ``__torch_function__`` (it may take an op over, as
+    ``CausalBias`` takes SDPA): neither ``torch.Tensor``'s default nor torch's private "disabled" marker
+    (``torch._C._disabled_torch_function_impl``, what ``Parameter``-like subclasses set to opt out)."""
+    fn = getattr(cls, "__torch_function__", None)
+    if fn is None:
+        return False
+    disabled = getattr(torch._C, "_disabled_torch_function_impl", None)
+    if disabled is None:
+        raise CompatError("torch._C._disabled_torch_function_impl is gone: torch changed __torch_function__")
+    return getattr(fn, "__func__", fn) not in (torch.Tensor.__torch_function__.__func__, disabled)
+
+
 # ---- torch.library custom ops (flash-attn's backward ops) --------------------------------------------------
 def custom_op_def(qualname: str):
     """The ``CustomOpDef`` of a ``torch.library.custom_op`` named ``qualname``, or None if none is defined."""
@@ -97,6 +116,35 @@ def custom_op_fake(opdef):
 def custom_op_signature_fn(opdef):
     """The Python function the op was defined from (its signature names the arguments)."""
     return opdef._init_fn
+
+
+# ---- flash-attn: the private ops and functions its hook replaces -----------------------------------------
+#: FA2's backward ops (dense, varlen; namespace ``flashattn`` in newer releases) and FA3's (one op for both)
+FA2_BACKWARD_OPS = ("flash_attn::_flash_attn_backward", "flash_attn::_flash_attn_varlen_backward",
+                    "flashattn::_flash_attn_backward", "flashattn::_flash_attn_varlen_backward")
+FA3_BACKWARD_OPS = ("flash_attn_3::_flash_attn_backward",)
+#: the forward ops whose calls file their records (FA2 dense/varlen, both namespaces; FA3)
+FA_FORWARD_OPS = ("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward",
+                  "flashattn::_flash_attn_forward", "flashattn::_flash_attn_varlen_forward",
+                  "flash_attn_3::_flash_attn_forward")
+#: FA4: the interface module and its private module functions (looked up as globals by its autograd Functions)
+FA4_INTERFACE = "flash_attn.cute.interface"
+FA4_BACKWARD = "_flash_attn_bwd"
+FA4_FORWARD = "_flash_attn_fwd"
+
+
+def fa4_interface():
+    """FA4's interface module when FA4 is installed and has its private backward ``_flash_attn_bwd``, else None
+    (not installed, or an import that fails: a broken build must not break ``enable()``)."""
+    import importlib
+    import importlib.util
+    try:
+        if importlib.util.find_spec("flash_attn.cute") is None:
+            return None
+        module = importlib.import_module(FA4_INTERFACE)
+    except Exception:  # noqa: BLE001 - FA4 absent or broken: not patched
+        return None
+    return module if hasattr(module, FA4_BACKWARD) else None
 
 
 # ---- Transformers' attention registries --------------------------------------------------------------------
@@ -135,6 +183,13 @@ def register_torchscript_builtin(fn, op: str) -> None:
     except ImportError as exc:
         raise CompatError(f"torch.jit._builtins._register_builtin is gone ({exc})") from exc
     _register_builtin(fn, op)
+
+
+# ---- Dynamo -------------------------------------------------------------------------------------------------
+def dynamo_module_name() -> str:
+    """The name of the module ``torch.compile`` imports first (``torch._dynamo``): a hook that must be in place
+    before any compiled region traces it waits for this import, not for ``torch`` (Dynamo costs ~1.3 s)."""
+    return "torch._dynamo"
 
 
 # ---- Triton's interpreter ----------------------------------------------------------------------------------

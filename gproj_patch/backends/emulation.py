@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from types import MappingProxyType
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -58,7 +59,7 @@ import torch
 from .spec import (MaskSpec, default_scale, normalize_lse, segments, validate_cu_seqlens, validate_qkv,
                    validate_sink)
 
-FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FORMATS = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 DK_FORMS = ("two_product", "fused")
 
 

@@ -56,8 +56,13 @@ class _Entry:
 
 
 _lock = threading.Lock()
+#: bounded cache: one entry per LSE storage alive (a forward's, until its backward ran or its graph was freed);
+#: ``weakref.finalize`` on the storage drops it (``live_records()``). Not cleared by ``reset()``: a backward
+#: still to run needs its forward's record.
 _records: Dict[Tuple[str, int], _Entry] = {}
-_when_empty: List[Callable[[], None]] = []  # run once no record is alive (the hook's deferred restores)
+#: bounded cache: distinct callbacks to run once no record is alive (the hook's deferred restores); a callback
+#: is held once however often ``when_no_records`` is asked, and the list empties when the last record dies
+_when_empty: List[Callable[[], None]] = []
 
 
 # ---- the problem of a call, from flash-attn's argument names (the forward's, or an unrecorded backward's) ------
@@ -139,7 +144,8 @@ def when_no_records(fn: Callable[[], None]) -> None:
     ``disable()`` keeps the corrected backward reachable for forwards made while the patch was on."""
     with _lock:
         if _records:
-            _when_empty.append(fn)
+            if fn not in _when_empty:
+                _when_empty.append(fn)
             return
     fn()
 

@@ -47,6 +47,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -59,31 +60,40 @@ from . import fa_records
 
 logger = logging.getLogger("gproj_patch")
 
-FA2_OPS = ("flash_attn::_flash_attn_backward", "flash_attn::_flash_attn_varlen_backward",
-           "flashattn::_flash_attn_backward", "flashattn::_flash_attn_varlen_backward")
-FA3_OPS = ("flash_attn_3::_flash_attn_backward",)
-FORWARD_OPS = ("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward",
-               "flashattn::_flash_attn_forward", "flashattn::_flash_attn_varlen_forward",
-               "flash_attn_3::_flash_attn_forward")
-FA4_FWD = "_flash_attn_fwd"
+# the private upstream names (backends/compat.py): read from this module at install() (tests point them elsewhere)
+FA2_OPS = compat.FA2_BACKWARD_OPS
+FA3_OPS = compat.FA3_BACKWARD_OPS
+FORWARD_OPS = compat.FA_FORWARD_OPS
+FA4_FWD = compat.FA4_FORWARD
 FA_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn_3", "flash_attn.cute")
-FA4_MODULE, FA4_FN = "flash_attn.cute.interface", "_flash_attn_bwd"
+FA4_MODULE, FA4_FN = compat.FA4_INTERFACE, compat.FA4_BACKWARD
 FA4_LIBRARY = "flash_attn_4"
 FA4_SINK = "learnable_sink"  # FA4's argument for the per-head sink logits (forward and backward)
 DEVICE_TYPE = "cuda"  # the kernels install() replaces (flash-attn registers CUDA kernels only)
 
 # names the replacement understands (and the values that mean "not used")
-_KNOWN = {"dout", "do", "q", "k", "v", "out", "o", "softmax_lse", "lse", "dq", "dk", "dv", "cu_seqlens_q",
+_KNOWN = frozenset({"dout", "do", "q", "k", "v", "out", "o", "softmax_lse", "lse", "dq", "dk", "dv", "cu_seqlens_q",
           "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "is_causal",
           "window_size_left", "window_size_right", "softcap", "deterministic", "sm_margin", "dropout_p",
           "rng_state", "zero_tensors", "m_block_size", "n_block_size", "num_threads", "pack_gqa",
           "num_stages_Q", "num_stages_dO", "SdP_swapAB", "dKV_swapAB", "dQ_swapAB", "AtomLayoutMSdP",
-          "AtomLayoutNdKV", "AtomLayoutMdQ", "V_in_regs", FA4_SINK}
+          "AtomLayoutNdKV", "AtomLayoutMdQ", "V_in_regs", FA4_SINK})
 
 UNRECORDED_SINK_REASON = ("FA4 backward without learnable_sink and no forward record (the LSE may include a sink "
                           "it cannot see): original backward")
 
-_installed: List[Tuple[str, Callable[[], None]]] = []  # (what, restore)
+
+
+@dataclass
+class InstalledFlashAttn:
+    """What ``install()`` did, to be undone by ``uninstall()`` (hook bookkeeping, not runtime state: ``reset()``
+    leaves it alone). One instance, ``INSTALLED``, mutated in place and never re-bound."""
+    restores: List[Tuple[str, Callable[[], None]]] = field(default_factory=list)  # (what, restore), in order
+    #: the backward restores ``uninstall()`` deferred until no record of a forward made while on is alive
+    draining: List[Callable[[], None]] = field(default_factory=list)
+
+
+INSTALLED = InstalledFlashAttn()
 
 
 _arg = fa_records.arg
@@ -310,7 +320,7 @@ def _has_kernel(qualname: str) -> bool:
 
 
 def install() -> str:
-    if _installed:
+    if INSTALLED.restores:
         return "installed"
     _finish_draining()  # a previous disable() still waiting: put the originals back first, then patch anew
     for mod in FA_MODULES:
@@ -327,11 +337,8 @@ def install() -> str:
         for qualname in FORWARD_OPS:
             if _has_kernel(qualname):
                 done[qualname] = patch_forward_op(qualname, DEVICE_TYPE)
-        try:
-            fa4 = importlib.import_module(FA4_MODULE) if _importable("flash_attn.cute") else None
-        except Exception:
-            fa4 = None
-        if fa4 is not None and hasattr(fa4, FA4_FN):
+        fa4 = compat.fa4_interface()
+        if fa4 is not None:
             done[f"{FA4_MODULE}.{FA4_FN}"] = _patch_attr(fa4, FA4_FN, FA4_LIBRARY, backward=True)
             if hasattr(fa4, FA4_FWD):
                 done[f"{FA4_MODULE}.{FA4_FWD}"] = _patch_attr(fa4, FA4_FWD, FA4_LIBRARY, backward=False)
@@ -339,7 +346,7 @@ def install() -> str:
         for restore in reversed(list(done.values())):
             restore()
         raise
-    _installed.extend(done.items())
+    INSTALLED.restores.extend(done.items())
     if not done:
         return "skipped: flash-attn not installed"
     return "installed: " + ", ".join(done)
@@ -353,20 +360,17 @@ def uninstall() -> None:
     """Restore the forwards now; the backwards once no forward made under the patch awaits its backward (that
     backward gets what its forward recorded, as on the SDPA paths)."""
     deferred = []
-    while _installed:
-        what, restore = _installed.pop()
+    while INSTALLED.restores:
+        what, restore = INSTALLED.restores.pop()
         if _is_backward(what):
             deferred.append(restore)
         else:
             restore()
     if deferred:
-        _draining.extend(deferred)
+        INSTALLED.draining.extend(deferred)
         fa_records.when_no_records(_finish_draining)
 
 
-_draining: List[Callable[[], None]] = []  # backward restores waiting for the records of forwards made while on
-
-
 def _finish_draining() -> None:
-    while _draining:
-        _draining.pop()()
+    while INSTALLED.draining:
+        INSTALLED.draining.pop()()

@@ -26,7 +26,8 @@ import functools
 import importlib.util
 import logging
 import sys
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -41,10 +42,19 @@ logger = logging.getLogger("gproj_patch")
 
 HF_NAME = "flex_attention"
 _MISSING = object()
-_reach: Optional[flex_reach.Reach] = None  # what install() did to torch's flex_attention
-_last_report: Optional[str] = None  # the fallback's status last logged (logged again only when it changes)
-_hf_saved = _MISSING   # HF's registry entry before install() (restored by identity)
-_pending = None        # the import hook waiting for transformers.modeling_utils
+
+
+@dataclass
+class InstalledFlex:
+    """What ``install()`` did, to be undone by ``uninstall()`` (hook bookkeeping, not runtime state: ``reset()``
+    leaves it alone). One instance, ``INSTALLED``, mutated in place and never re-bound."""
+    reach: Optional[flex_reach.Reach] = None  # what install() did to torch's flex_attention
+    last_report: Optional[str] = None  # the fallback's status last logged (logged again only when it changes)
+    hf_saved: Any = _MISSING  # HF's registry entry before install() (restored by identity)
+    pending: Any = None  # the import hook waiting for transformers.modeling_utils (import_hooks.AfterImport)
+
+
+INSTALLED = InstalledFlex()
 
 
 def flex_is_supported() -> bool:
@@ -68,7 +78,8 @@ def hf_flex_attention_forward(module, query, key, value, attention_mask, scaling
                               position_bias=None, **kwargs):
     """HF's ``flex_attention_forward`` contract: (B, H, S, D) inputs, returns ((B, S, H, D), None)."""
     import transformers.integrations.flex_attention as hf_flex
-    original = _hf_saved if _hf_saved is not _MISSING else hf_flex.flex_attention_forward
+    saved = INSTALLED.hf_saved
+    original = saved if saved is not _MISSING else hf_flex.flex_attention_forward
     cfg_mode = (_config.active() or flex_op.DEFAULT_CONFIG).mode
 
     def passthrough():
@@ -104,7 +115,7 @@ def _load_compiled_path() -> None:
 
 
 def is_installed() -> bool:
-    return _reach is not None
+    return INSTALLED.reach is not None
 
 
 def _module_globals_holding(fn) -> List[str]:
@@ -117,17 +128,15 @@ def _module_globals_holding(fn) -> List[str]:
 
 def _report(reach: flex_reach.Reach) -> None:
     """Log once (again only when it changes) what the fallback did not reach; nothing when the swap was made."""
-    global _last_report
     status = reach.status()
-    if reach.swapped or status == _last_report:
+    if reach.swapped or status == INSTALLED.last_report:
         return
     logger.warning("flex: %s", status)
-    _last_report = status
+    INSTALLED.last_report = status
 
 
 def install() -> str:
-    global _reach, _pending
-    if _reach is not None:
+    if INSTALLED.reach is not None:
         return "installed"
     if not flex_is_supported():
         return "skipped: this torch has no torch.nn.attention.flex_attention"
@@ -136,36 +145,34 @@ def install() -> str:
     # the compiled path must be loaded before any compiled region traces the hook, but it imports Dynamo (about
     # 1.3 s): load it when Dynamo is imported (torch.compile does that first), not at every enable()
     from ..import_hooks import call_after_import
-    call_after_import("torch._dynamo", _load_compiled_path)
-    _reach = flex_reach.install(fa_module, _module_globals_holding)
-    flex_op.set_original(_reach.original)
-    _report(_reach)
-    status = _reach.status()
+    call_after_import(compat.dynamo_module_name(), _load_compiled_path)
+    reach = INSTALLED.reach = flex_reach.install(fa_module, _module_globals_holding)
+    flex_op.set_original(reach.original)
+    _report(reach)
+    status = reach.status()
     if "transformers.modeling_utils" in sys.modules:
         _register_hf()
     elif importlib.util.find_spec("transformers") is not None:
-        _pending = call_after_import("transformers.modeling_utils", _register_on_import)
-        if _reach.swapped:
+        INSTALLED.pending = call_after_import("transformers.modeling_utils", _register_on_import)
+        if reach.swapped:
             return "installed (HF's 'flex_attention' hooked when transformers.modeling_utils is imported)"
     return status
 
 
 def _register_on_import() -> None:
-    global _pending
-    _pending = None
+    INSTALLED.pending = None
     _register_hf()
 
 
 def _register_hf() -> None:
-    global _hf_saved
     try:
         from transformers.modeling_utils import AttentionInterface
         mapping = compat.hf_registry_mapping(AttentionInterface)
     except (ImportError, compat.CompatError) as exc:
         logger.warning("could not hook HF's 'flex_attention': %s", exc)
         return
-    _hf_saved = mapping.get(HF_NAME, _MISSING)
-    if _hf_saved is _MISSING:
+    INSTALLED.hf_saved = mapping.get(HF_NAME, _MISSING)
+    if INSTALLED.hf_saved is _MISSING:
         return  # this Transformers has no flex implementation
     mapping[HF_NAME] = hf_flex_attention_forward
     hf_flex = sys.modules.get("transformers.integrations.flex_attention")
@@ -176,21 +183,21 @@ def _register_hf() -> None:
 
 
 def uninstall() -> None:
-    global _reach, _pending, _hf_saved
-    if _pending is not None:
-        _pending.cancel()
-        _pending = None
-    if _hf_saved is not _MISSING:
+    if INSTALLED.pending is not None:
+        INSTALLED.pending.cancel()
+        INSTALLED.pending = None
+    if INSTALLED.hf_saved is not _MISSING:
         from transformers.modeling_utils import AttentionInterface
         mapping = compat.hf_registry_mapping(AttentionInterface)
-        restore_by_identity(mapping, HF_NAME, hf_flex_attention_forward, _hf_saved, "HF's 'flex_attention' entry")
-        _hf_saved = _MISSING
-    if _reach is None:
+        restore_by_identity(mapping, HF_NAME, hf_flex_attention_forward, INSTALLED.hf_saved,
+                            "HF's 'flex_attention' entry")
+        INSTALLED.hf_saved = _MISSING
+    if INSTALLED.reach is None:
         return
     import torch.nn.attention.flex_attention as fa_module
-    flex_reach.uninstall(fa_module, _reach)
+    flex_reach.uninstall(fa_module, INSTALLED.reach)
     flex_op.set_original(None)
-    _reach = None
+    INSTALLED.reach = None
 
 
 # ---- the audit's flex backends (``audit.backends.available_backends`` adds what ``audit_backends`` returns) --
@@ -212,14 +219,17 @@ def _case_mask_mod(mask: dict, sq: int, sk: int):
     return case_mask
 
 
-_COMPILED_ORIGINAL = {}
+#: bounded cache: one entry, (original flex, its torch.compile wrapper) for the audit's uncorrected backend;
+#: replaced when the original changes (each install() may hand out a new copy of it), never grows
+_COMPILED_ORIGINAL: List[Tuple[Callable, Callable]] = []
 
 
 def _compiled_original():
+    """The compiled original flex (the audit's uncorrected backend), compiled once per original function."""
     fn = flex_op.original_flex()
-    if fn not in _COMPILED_ORIGINAL:
-        _COMPILED_ORIGINAL[fn] = torch.compile(fn, dynamic=False)
-    return _COMPILED_ORIGINAL[fn]
+    if not _COMPILED_ORIGINAL or _COMPILED_ORIGINAL[0][0] is not fn:
+        _COMPILED_ORIGINAL[:] = [(fn, torch.compile(fn, dynamic=False))]
+    return _COMPILED_ORIGINAL[0][1]
 
 
 def _audit_reason(corrected: bool):

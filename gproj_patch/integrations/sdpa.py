@@ -38,10 +38,9 @@ import functools
 import logging
 import operator
 import sys
-import threading
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -50,25 +49,31 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from .. import telemetry
 from ..backends import compat
+from ..state import STATE
 from . import restore_by_identity
 from ..ops import sdpa as sdpa_op
 
 logger = logging.getLogger("gproj_patch")
 
-_saved = None  # the object F.scaled_dot_product_attention held before install()
+
+@dataclass(frozen=True)
+class BoundName:
+    """One module global that held the original function and now holds the wrapper."""
+    module_name: str
+    name: str
+    module: Callable[[], Optional[types.ModuleType]]  # weak reference: a module dropped from sys.modules is freed
 
 
-_DEFAULT_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
+@dataclass
+class InstalledSdpa:
+    """What ``install()`` did, to be undone by ``uninstall()`` (hook bookkeeping, not runtime state: ``reset()``
+    leaves it alone). One instance, ``INSTALLED``, mutated in place and never re-bound."""
+    saved: Optional[Callable] = None  # the object F.scaled_dot_product_attention held before install()
+    bound: List[BoundName] = field(default_factory=list)  # the module globals install() rebound
+    last_report: Tuple[str, ...] = ()  # the rebound names last logged (logged again only when they change)
 
 
-def _own_torch_function(cls) -> bool:
-    """True for a tensor subclass with its own ``__torch_function__`` (it may take SDPA over, as CausalBias)."""
-    fn = getattr(cls, "__torch_function__", None)
-    return fn is not None and getattr(fn, "__func__", fn) not in (_DEFAULT_TORCH_FUNCTION,
-                                                                  torch._C._disabled_torch_function_impl)
-
-
-_reentry = threading.local()  # calls of the wrapper made while a __torch_function__ override runs
+INSTALLED = InstalledSdpa()
 
 
 _TENSOR_ARGS = ("query", "key", "value", "attn_mask")
@@ -105,7 +110,7 @@ def scaled_dot_product_attention(*args, **kwargs):
     scale=None, enable_gqa=False)`` with the corrected backward (arguments passed on exactly as given).
     While the hook is not installed (a module bound this wrapper during ``enable()``, then ``disable()`` ran)
     every call goes to the original function untouched."""
-    if _saved is None or not _well_formed(args, kwargs):  # off, or a call the builtin rejects: its own error
+    if INSTALLED.saved is None or not _well_formed(args, kwargs):  # off, or a call the builtin rejects: its own error
         return sdpa_op.original_sdpa()(*args, **kwargs)
     # a tuple, built so: dynamo traces this wrapper, and a list here broke compiled CausalBias calls (PyTorch's
     # TestAttnBiasCPU compile variants in tests/test_external_torch_sdpa.py)
@@ -121,17 +126,19 @@ def scaled_dot_product_attention(*args, **kwargs):
     if not torch.compiler.is_compiling():
         # counted for _dispatch_override only; under tracing a thread-local write would become a Dynamo guard
         # that fails on the next call (a recompile per call)
-        _reentry.count = getattr(_reentry, "count", 0) + 1
+        reentry = STATE.sdpa_reentry
+        reentry.count = getattr(reentry, "count", 0) + 1
     return sdpa_op.sdpa(*args, **kwargs)
 
 
 def _dispatch_override(relevant, args, kwargs):
     """Let the subclass or mode handle the call, as the builtin does. A subclass that computes attention without
     calling SDPA back (CausalBias lower-right on an efficient kernel) is counted as passed through."""
-    before = getattr(_reentry, "count", 0)
+    reentry = STATE.sdpa_reentry
+    before = getattr(reentry, "count", 0)
     out = handle_torch_function(scaled_dot_product_attention, relevant, *args, **kwargs)
-    subclasses = [type(t).__name__ for t in relevant if _own_torch_function(type(t))]
-    if subclasses and getattr(_reentry, "count", 0) == before and torch.is_grad_enabled():
+    subclasses = [type(t).__name__ for t in relevant if compat.overrides_torch_function(type(t))]
+    if subclasses and getattr(reentry, "count", 0) == before and torch.is_grad_enabled():
         telemetry.record_forward("original", f"sdpa: __torch_function__ of {', '.join(dict.fromkeys(subclasses))} "
                                  "computed attention without SDPA: passed through", telemetry.shape_class("sdpa"))
     return out
@@ -146,18 +153,6 @@ scaled_dot_product_attention.__gproj_patched__ = True
 #: packages whose module globals are never rebound: torch (defines the function; its internals must see the
 #: builtin) and this package (``ops/sdpa.C_SDPA`` is the original the wrapper calls)
 EXCLUDED_PACKAGES = frozenset(("torch", "gproj_patch"))
-
-
-@dataclass(frozen=True)
-class BoundName:
-    """One module global that held the original function and now holds the wrapper."""
-    module_name: str
-    name: str
-    module: Callable[[], Optional[types.ModuleType]]  # weak reference: a module dropped from sys.modules is freed
-
-
-_bound: List[BoundName] = []   # what install() rebound, restored by uninstall()
-_last_report: Tuple[str, ...] = ()  # the list last logged (logged again only when it changes)
 
 
 def excluded_module(module_name: str) -> bool:
@@ -210,17 +205,16 @@ def _rebind_bound_names(original) -> List[BoundName]:
 
 
 def _report(bound: List[BoundName]) -> None:
-    global _last_report
     names = tuple(f"{b.module_name}.{b.name}" for b in bound)
-    if names and names != _last_report:
+    if names and names != INSTALLED.last_report:
         logger.warning("scaled_dot_product_attention was bound before enable() in %d module global(s), now "
                        "patched (restored by disable()): %s", len(names), ", ".join(names))
-        _last_report = names
+        INSTALLED.last_report = names
 
 
 def _restore_bound_names(original) -> None:
-    while _bound:
-        b = _bound.pop()
+    while INSTALLED.bound:
+        b = INSTALLED.bound.pop()
         module = b.module()
         namespace = None if module is None else _namespace(module)
         if namespace is None:
@@ -231,19 +225,18 @@ def _restore_bound_names(original) -> None:
 
 def bound_names() -> List[str]:
     """``"module.attribute"`` of each global ``install()`` rebound to the wrapper (empty when not installed)."""
-    return [f"{b.module_name}.{b.name}" for b in _bound]
+    return [f"{b.module_name}.{b.name}" for b in INSTALLED.bound]
 
 
 # ------------------------------------------------------------------------------------------------------------
 
 def is_installed() -> bool:
-    return _saved is not None
+    return INSTALLED.saved is not None
 
 
 def install() -> str:
     """Put the wrapper on ``F`` and on every module global that held the original (``find_bound_names``)."""
-    global _saved
-    if _saved is not None:
+    if INSTALLED.saved is not None:
         return "installed"
     current = F.scaled_dot_product_attention
     if compat.is_context_parallel_wrapper(current):
@@ -253,21 +246,20 @@ def install() -> str:
     ours = getattr(current, "__gproj_patched__", False)
     # TorchScript scripts F.multi_head_attention_forward, which reads this name: compile the wrapper as the aten op
     compat.register_torchscript_builtin(scaled_dot_product_attention, "aten::scaled_dot_product_attention")
-    _saved = current
+    INSTALLED.saved = current
     sdpa_op.set_original(None if ours else current)
     F.scaled_dot_product_attention = scaled_dot_product_attention
     if not ours:
-        _bound.extend(_rebind_bound_names(current))
-        _report(_bound)
+        INSTALLED.bound.extend(_rebind_bound_names(current))
+        _report(INSTALLED.bound)
     return "installed"  # the rebound names: bound_names() and the log line
 
 
 def uninstall() -> None:
-    global _saved
-    if _saved is None:
+    if INSTALLED.saved is None:
         return
-    restore_by_identity(vars(F), "scaled_dot_product_attention", scaled_dot_product_attention, _saved,
+    restore_by_identity(vars(F), "scaled_dot_product_attention", scaled_dot_product_attention, INSTALLED.saved,
                         "torch.nn.functional.scaled_dot_product_attention")
-    _restore_bound_names(_saved)
+    _restore_bound_names(INSTALLED.saved)
     sdpa_op.set_original(None)
-    _saved = None
+    INSTALLED.saved = None

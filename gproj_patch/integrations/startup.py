@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 FLAG = "GPROJ_PATCH"
@@ -45,19 +46,30 @@ _FALSE = ("", "0", "false", "no", "off")
 EXIT_CODE = 2
 
 _lock = threading.RLock()
-_status: Dict[str, Any] = {"state": "not run", "handle": None, "error": None}
+
+
+@dataclass
+class StartupStatus:
+    """What the start-up hook did in this process (hook bookkeeping, not runtime state: ``reset()`` leaves it
+    alone). One instance, ``STATUS``, mutated in place under ``_lock`` and never re-bound."""
+    state: str = "not run"  # "not run" | "off" | "waiting for torch" | "enabled" | "failed"
+    handle: Any = None  # the enable() handle once enabled
+    error: Optional[str] = None  # the message of a failed start-up
+
+
+STATUS = StartupStatus()
 
 
 def status() -> Dict[str, Any]:
     """{"state": "not run" | "off" | "waiting for torch" | "enabled" | "failed", "handle": Handle|None,
     "error": str|None}."""
-    return dict(_status)
+    return {"state": STATUS.state, "handle": STATUS.handle, "error": STATUS.error}  # the handle itself, no copy
 
 
 def _fail(message: str) -> None:
     """Stop the process with a clear message. (An exception would only be printed by ``site``, or, raised
     during ``import torch``, would leave torch half-registered; a clean exit is the honest outcome.)"""
-    _status.update(state="failed", error=message)
+    STATUS.state, STATUS.error = "failed", message
     try:
         sys.stdout.flush()
     except Exception:
@@ -88,14 +100,14 @@ def check_environment(environ=None) -> None:
 def process_startup(environ=None) -> Optional[Any]:
     """The .pth entry point (idempotent). Returns the enable() handle when the patch was enabled now."""
     with _lock:
-        if _status["state"] != "not run":
-            return _status["handle"]
+        if STATUS.state != "not run":
+            return STATUS.handle
         try:
             on = flag_value(environ)
         except ValueError as exc:
             _fail(str(exc))
         if not on:
-            _status["state"] = "off"
+            STATUS.state = "off"
             return None
         try:
             check_environment(environ)
@@ -104,7 +116,7 @@ def process_startup(environ=None) -> Optional[Any]:
         if "torch" in sys.modules:
             return _enable()
         from ..import_hooks import call_after_import
-        _status["state"] = "waiting for torch"
+        STATUS.state = "waiting for torch"
         call_after_import("torch", _enable)
         return None
 
@@ -115,7 +127,7 @@ def _enable():
         handle = gproj_patch.enable()
     except Exception as exc:  # noqa: BLE001 - everything here is a start-up failure the user must see
         _fail(f"{FLAG}=1 but gproj_patch.enable() failed: {type(exc).__name__}: {exc}")
-    _status.update(state="enabled", handle=handle)
+    STATUS.state, STATUS.handle = "enabled", handle
     return handle
 
 

@@ -1,0 +1,290 @@
+"""One runtime state, bounded caches, and the imports of the hook/audit/numerics modules (issue 20, items 2 and 4).
+
+What is protected:
+* no ``global`` statement, and no module-level mutable container unless it is marked ``#: bounded cache:``, in the
+  modules listed in ``OWNED`` (runtime state lives in ``state.STATE``; hook bookkeeping in one ``Installed...``
+  object per hook);
+* ``reset()`` clears the state moved into ``RuntimeState`` and leaves the installed hooks alone;
+* each marked cache stays within its bound;
+* no private name imported across the package's modules, no private upstream touch-point outside
+  ``backends/compat.py``, and compat's new touch-points do their job on the installed torch.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+import torch
+
+import gproj_patch
+from gproj_patch import detector
+from gproj_patch.backends import compat
+from gproj_patch.integrations import fa_records
+from gproj_patch.integrations import flex as flex_hook
+from gproj_patch.integrations import sdpa as sdpa_hook
+from gproj_patch.state import STATE, reset
+
+PACKAGE = pathlib.Path(gproj_patch.__file__).parent
+#: the modules this rule set covers (the rest of the package follows in the structure tests)
+OWNED = ("integrations/sdpa.py", "integrations/flash_attn.py", "integrations/fa_records.py", "integrations/flex.py",
+         "integrations/flex_reach.py", "integrations/startup.py", "integrations/trainer.py",
+         "integrations/__init__.py", "import_hooks.py", "detector.py", "telemetry.py", "audit/__init__.py",
+         "audit/api.py", "audit/backends.py", "audit/cases.py", "audit/cli.py", "audit/eager.py", "audit/plugin.py",
+         "audit/pytest_plugin.py", "audit/report.py", "audit/run.py", "ops/flex_masks.py", "ops/masks.py",
+         "backends/compat.py", "backends/detector_kernel.py", "backends/emulation.py", "backends/reference.py",
+         "backends/spec.py", "backends/fp32_tier.py")
+#: calls that build a mutable container
+CONTAINER_CALLS = {"dict", "list", "set", "Counter", "defaultdict", "OrderedDict", "deque", "bytearray", "local",
+                   "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+CONTAINER_NODES = (ast.Dict, ast.List, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+BOUNDED = "#: bounded cache:"
+UPSTREAM = ("torch", "triton", "transformers", "flash_attn")
+PRIVATE_UPSTREAM_STRING = re.compile(r"\b(?:torch|triton|transformers|flash_attn)\.(?:\w+\.)*_[a-z]|::_[a-z]")
+
+
+def _source(rel: str):
+    text = (PACKAGE / rel).read_text(encoding="utf-8")
+    return text.splitlines(), ast.parse(text)
+
+
+def _module_statements(tree: ast.Module):
+    """Top-level statements, including those under a module-level ``if``/``try``."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.If, ast.Try)):
+            todo.extend(node.body + node.orelse + getattr(node, "finalbody", []) +
+                        [s for h in getattr(node, "handlers", []) for s in h.body])
+        else:
+            yield node
+
+
+def _is_container(value) -> bool:
+    if isinstance(value, CONTAINER_NODES):
+        return True
+    if isinstance(value, ast.Call):
+        fn = value.func
+        name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+        return name in CONTAINER_CALLS
+    return False
+
+
+def _marked_bounded(lines, lineno: int) -> bool:
+    """True when the comment block right above line ``lineno`` (1-based) has a ``#: bounded cache:`` line."""
+    i = lineno - 2
+    while i >= 0 and lines[i].lstrip().startswith("#"):
+        if lines[i].lstrip().startswith(BOUNDED):
+            return True
+        i -= 1
+    return False
+
+
+def _docstrings(tree) -> set:
+    """ids of the Constant nodes that are docstrings (module, class, function)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def _dotted(node) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+# ---- item 2: one runtime state ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rel", OWNED)
+def test_no_global_statement(rel):
+    _, tree = _source(rel)
+    found = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Global)]
+    assert not found, f"{rel}: `global` at lines {found} (state goes to state.STATE, hook bookkeeping to INSTALLED)"
+
+
+@pytest.mark.parametrize("rel", OWNED)
+def test_module_level_containers_are_marked_bounded_caches(rel):
+    lines, tree = _source(rel)
+    unmarked = []
+    for node in _module_statements(tree):
+        if isinstance(node, ast.Assign):
+            value, lineno = node.value, node.lineno
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            value, lineno = node.value, node.lineno
+        else:
+            continue
+        if _is_container(value) and not _marked_bounded(lines, lineno):
+            unmarked.append(f"{rel}:{lineno}: {lines[lineno - 1].strip()}")
+    assert not unmarked, "mutable module-level containers (move to STATE, or mark and test as bounded caches):\n" + \
+        "\n".join(unmarked)
+
+
+def test_reset_clears_the_sdpa_reentry_count():
+    STATE.sdpa_reentry.count = 7
+    reset()
+    assert getattr(STATE.sdpa_reentry, "count", 0) == 0
+
+
+def test_reset_leaves_installed_hooks_alone():
+    handle = gproj_patch.enable()
+    try:
+        wrapper = torch.nn.functional.scaled_dot_product_attention
+        saved = sdpa_hook.INSTALLED.saved
+        assert saved is not None and wrapper is sdpa_hook.scaled_dot_product_attention
+        gproj_patch.reset_stats()
+        assert sdpa_hook.INSTALLED.saved is saved and torch.nn.functional.scaled_dot_product_attention is wrapper
+    finally:
+        handle.disable() if hasattr(handle, "disable") else gproj_patch.disable()
+    assert sdpa_hook.INSTALLED.saved is None and torch.nn.functional.scaled_dot_product_attention is saved
+
+
+def test_row_index_cache_stays_bounded():
+    detector._ROW_INDEX.clear()
+    for s in range(300, 300 + detector.ROW_INDEX_CACHE_SIZE + 50):
+        detector._row_index(s, 8, torch.device("cpu"))
+        assert len(detector._ROW_INDEX) <= detector.ROW_INDEX_CACHE_SIZE
+    idx = detector._row_index(1000, 8, torch.device("cpu"))
+    assert idx[0] == 0 and idx[-1] == 999 and idx.numel() == 8
+
+
+class _FakeCudaTensor:
+    """Enough of a CUDA tensor for ``_run_statistics``'s cache key (shape, dtype, device)."""
+    device = torch.device("cuda", 0)
+
+    def __init__(self, n):
+        self.shape, self.dtype = (n,), torch.float32
+
+
+def test_graph_cache_stays_bounded(monkeypatch):
+    captured = []
+
+    class Graphed:
+        def __init__(self, inputs, consts):
+            captured.append(inputs[0].shape)
+
+        def __call__(self, inputs):
+            return "replayed"
+
+    monkeypatch.setattr(detector, "_GraphedStatistics", Graphed)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(STATE, "detector_graph_failed", False)
+    monkeypatch.setattr(detector, "_GRAPHS", {})
+    for n in range(3 * detector._GRAPH_CACHE_SIZE):
+        assert detector._run_statistics((_FakeCudaTensor(n), None, None, None), (0.1, 1, 2 ** -8)) == "replayed"
+        assert len(detector._GRAPHS) <= detector._GRAPH_CACHE_SIZE
+    assert len(captured) == 3 * detector._GRAPH_CACHE_SIZE  # one capture per new signature
+    detector._run_statistics((_FakeCudaTensor(3 * detector._GRAPH_CACHE_SIZE - 1), None, None, None),
+                             (0.1, 1, 2 ** -8))
+    assert len(captured) == 3 * detector._GRAPH_CACHE_SIZE  # the last one is replayed from the cache
+
+
+def _record():
+    b = {"q": torch.zeros(1, 4, 2, 8), "causal": True}
+    return fa_records.make_call_record(b, "flash_attn:dense", None)
+
+
+def test_forward_records_stay_bounded_by_live_lses():
+    before = fa_records.live_records()
+    lses = [torch.zeros(1, 2, 4) for _ in range(5)]
+    for lse in lses:
+        fa_records.remember(lse, _record())
+    assert fa_records.live_records() == before + 5
+    assert fa_records.find(lses[0]) is not None
+    del lses, lse
+    assert fa_records.live_records() == before
+
+
+def test_deferred_restores_are_held_once():
+    assert fa_records.live_records() == 0
+    lse, ran = torch.zeros(1, 2, 4), []
+
+    def restore():
+        ran.append(1)
+    fa_records.remember(lse, _record())
+    for _ in range(10):
+        fa_records.when_no_records(restore)
+    assert len(fa_records._when_empty) == 1 and not ran
+    del lse
+    assert ran == [1] and not fa_records._when_empty
+
+
+def test_compiled_original_flex_cache_holds_one(monkeypatch):
+    originals = [lambda *a, **k: i for i in range(4)]
+    current = {"fn": originals[0]}
+    monkeypatch.setattr(flex_hook.flex_op, "original_flex", lambda: current["fn"])
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=False: ("compiled", fn))
+    monkeypatch.setattr(flex_hook, "_COMPILED_ORIGINAL", [])
+    for fn in originals + originals[:1]:
+        current["fn"] = fn
+        assert flex_hook._compiled_original() == ("compiled", fn)
+        assert len(flex_hook._COMPILED_ORIGINAL) == 1
+
+
+# ---- item 4: imports ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rel", OWNED)
+def test_no_private_name_imported_across_modules(rel):
+    _, tree = _source(rel)
+    bad = [f"{rel}:{node.lineno}: from {'.' * node.level}{node.module or ''} import {a.name}"
+           for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+           and (node.level > 0 or (node.module or "").startswith("gproj_patch"))
+           for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("rel", [r for r in OWNED if r != "backends/compat.py"])
+def test_private_upstream_touch_points_only_in_compat(rel):
+    _, tree = _source(rel)
+    docstrings, bad = _docstrings(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            parts = _dotted(node).split(".")
+            if parts[0] in UPSTREAM and any(p.startswith("_") and not p.startswith("__") for p in parts[1:]):
+                bad.append(f"{rel}:{node.lineno}: {'.'.join(parts)}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in UPSTREAM:
+            names = (node.module or "").split(".") + [a.name for a in node.names]
+            if any(p.startswith("_") and not p.startswith("__") for p in names):
+                bad.append(f"{rel}:{node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if PRIVATE_UPSTREAM_STRING.search(node.value):
+                bad.append(f"{rel}:{node.lineno}: {node.value!r}")
+    assert not bad, "private upstream names outside backends/compat.py:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_compat_overrides_torch_function():
+    class Plain(torch.Tensor):
+        pass
+
+    class Own(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    from torch.nn.attention.bias import CausalBias
+    assert not compat.overrides_torch_function(torch.Tensor)
+    assert not compat.overrides_torch_function(Plain)
+    assert not compat.overrides_torch_function(torch.nn.Parameter)  # opted out through torch's private marker
+    assert compat.overrides_torch_function(Own) and compat.overrides_torch_function(CausalBias)
+
+
+def test_compat_fa4_interface(monkeypatch):
+    from tests.helpers import fa4_standin
+    monkeypatch.delitem(__import__("sys").modules, "flash_attn.cute.interface", raising=False)
+    if compat.fa4_interface() is None:  # not installed here: the stand-in takes its place
+        iface = fa4_standin.load(monkeypatch)
+        assert compat.fa4_interface() is iface
+    assert hasattr(compat.fa4_interface(), compat.FA4_BACKWARD)
+
+
+def test_compat_dynamo_module_name():
+    import importlib
+    assert importlib.import_module(compat.dynamo_module_name()) is torch._dynamo
