@@ -1,9 +1,17 @@
 """Which layer an attention call belongs to: ``layer_scope(name)``, else ``call{n}`` within the step.
 
-``layer_scope(name)`` sets the name for the attention calls made inside it (``track_layers`` and the HF
-integration set module names themselves). Without a scope, ``layer_id()`` numbers the forward calls of one step
-``"call0"``, ``"call1"``, ... (``state.RuntimeState.next_call_name``). The name is taken once, at the call's
-forward, into its record; the backward never asks again.
+``layer_scope(name)`` sets the name for the attention calls made inside it. Without a scope, ``layer_id()``
+numbers the forward calls of one step ``"call0"``, ``"call1"``, ... (``state.RuntimeState.next_call_name``). The
+name is taken once, at the call's forward, into its record; the backward never asks again.
+
+HF models get one naming scheme whatever their ``attn_implementation`` (the policy's keys must not change with
+it): a call made by an HF attention module is named by ``module_layer(module)`` — the open scope of
+``track_layers`` (its module path, e.g. ``"model.layers.3.self_attn"``) when there is one, else
+``"<AttentionClass>.<layer_idx>"`` (``module_layer_name``). The registry functions ("sdpa", "flash_attention_*",
+"flex_attention", ..., ``integrations/hf_layer_names.py``) run inside that name (``call_in_module_layer``); the
+paths that make their records themselves pass ``module_layer_name(module)`` as the call's ``layer`` (HF eager,
+"gproj") or ``module_layer(module)`` (HF flex, whose compiled path reads no scope), and an open scope still
+wins there (``record.make_context``; ``traced_layer()`` first in the compiled SDPA path).
 """
 from __future__ import annotations
 
@@ -42,6 +50,47 @@ def layer_scope(name: str) -> Iterator[str]:
     token = _current.set(str(name))
     try:
         yield str(name)
+    finally:
+        _current.reset(token)
+
+
+def module_layer_name(module) -> Optional[str]:
+    """``"<AttentionClass>.<layer_idx>"`` of an HF attention module, None when it has no ``layer_idx``."""
+    idx = getattr(module, "layer_idx", None)
+    return None if idx is None else f"{type(module).__name__}.{idx}"
+
+
+def _compiling() -> bool:
+    import torch  # not at module level: ``import gproj_patch`` does not import torch
+    return torch.compiler.is_compiling()
+
+
+def module_layer(module) -> Optional[str]:
+    """The name of a call made now by ``module``: the open scope (``track_layers``' module path wins; while
+    Dynamo traces, the traced scope), else ``module_layer_name(module)``."""
+    scoped = traced_layer() if _compiling() else _current.get()
+    return scoped if scoped is not None else module_layer_name(module)
+
+
+def call_in_module_layer(module, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with ``module_layer(module)`` open as the layer of the attention calls it makes.
+    Nothing is opened when a scope is already open (it wins) or the module has no name; while Dynamo traces,
+    the traced scope (a list) replaces the ContextVar (whose ``set`` is a graph break). The call itself is
+    untouched: same arguments, same result, same exceptions."""
+    compiling = _compiling()
+    scoped = traced_layer() if compiling else _current.get()
+    name = None if scoped is not None else module_layer_name(module)
+    if name is None:
+        return fn(*args, **kwargs)
+    if compiling:
+        enter_traced_layer(name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            exit_traced_layer()
+    token = _current.set(name)
+    try:
+        return fn(*args, **kwargs)
     finally:
         _current.reset(token)
 

@@ -4,8 +4,10 @@ A forward pre-hook on every attention module enters ``layer_scope(<module name>)
 ``"model.layers.3.self_attn"``) and a forward hook (``always_call=True``, so also when the forward raises)
 leaves it; the autograd Function captures the name at forward time, so the policy's per-layer records and the
 ``gproj/<layer>/...`` log keys carry the module name — also under gradient checkpointing, whose recomputation
-re-enters the same hooks. Attention modules are, by default, the outermost modules whose class name ends in
-``"Attention"`` (``LlamaAttention``, ``Qwen2Attention``, ``MistralAttention``, ...); pass ``predicate`` for others.
+re-enters the same hooks. These names win over the ``"<AttentionClass>.<layer_idx>"`` every HF attention
+implementation gives otherwise (``layer_context.module_layer``). Attention modules are, by default, the
+outermost modules whose class name ends in ``"Attention"`` (``LlamaAttention``, ``Qwen2Attention``,
+``MistralAttention``, ...); pass ``predicate`` for others.
 """
 from __future__ import annotations
 

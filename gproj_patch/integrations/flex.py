@@ -34,6 +34,7 @@ import torch
 from .. import config as _config
 from .. import telemetry
 from ..backends import compat
+from ..layer_context import module_layer
 from . import flex_reach, restore_by_identity
 from ..ops import flex as flex_op
 from .flex_reach import flex_attention  # noqa: F401 - the hook's flex_attention (public)
@@ -98,9 +99,7 @@ def hf_flex_attention_forward(module, query, key, value, attention_mask, scaling
         key = hf_flex.repeat_kv(key, heads // key.shape[1])
         value = hf_flex.repeat_kv(value, heads // value.shape[1])
         enable_gqa = False
-    layer = None
-    if getattr(module, "layer_idx", None) is not None:
-        layer = f"{type(module).__name__}.{module.layer_idx}"
+    layer = module_layer(module)  # track_layers' scope (also the traced one under torch.compile), else Class.idx
     score_mod = None if softcap is None else flex_op.softcap_score_mod(softcap)
     forward_fn = functools.partial(hf_flex.compile_friendly_flex_attention, training=module.training)
     caller = flex_op.Caller(declared_softcap=None if softcap is None else float(softcap), forward_fn=forward_fn,

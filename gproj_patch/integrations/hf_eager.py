@@ -37,6 +37,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..layer_context import module_layer_name
 from . import restore_by_identity
 
 logger = logging.getLogger("gproj_patch")
@@ -247,11 +248,6 @@ def unsupported_reason(fn, b: _Bound) -> Optional[str]:
     return _argument_reason(b, form) or mask_unsupported_reason(b.mask, b.query.shape[2], b.key.shape[2])
 
 
-def _layer_name(module) -> Optional[str]:
-    idx = getattr(module, "layer_idx", None)
-    return None if idx is None else f"{type(module).__name__}.{idx}"
-
-
 def eager_call(fn, args, kwargs):
     """One call of the wrapped eager function ``fn``: the original, or the same forward with the corrected
     backward."""
@@ -282,7 +278,7 @@ def eager_call(fn, args, kwargs):
         return fn(*bound.args, **bound.kwargs)
     call = op.EagerCall(fn=forward, scale=float(b.scaling), mask=b.mask,
                         softcap=float(b.softcap) if b.softcap is not None and form.softcap == "applied" else 0.0,
-                        sink=sink, sink_is_argument=False, layer=_layer_name(b.module), source=SOURCE)
+                        sink=sink, sink_is_argument=False, layer=module_layer_name(b.module), source=SOURCE)
     return op.run_eager(call, b.query, b.key, b.value)
 
 

@@ -9,15 +9,19 @@ at call time). The name has no "flash" in it on purpose (Transformers 5 treats s
 Softcap (Gemma 2) and learnable sinks (``s_aux``, gpt-oss), which SDPA cannot run, take HF eager's own forward
 (bit for bit: the model module's eager softcap function; gpt-oss's sink operations, ``ops/attention_sink.py``)
 with the corrected backward (``ops/hf_eager.py``: the router with ``softcap`` / ``sink`` in the problem; the
-sink's gradient reaches ``s_aux``). Otherwise the attention function runs SDPA's fused forward and the corrected backward (``gproj_patch.attention``), with
-GQA natively (no ``repeat_kv`` copy), ``is_causal`` as HF's SDPA path sets it, and the layer named
-``"<AttentionClass>.<layer_idx>"`` for the policy. Without a gradient it is exactly HF's "sdpa" function.
+sink's gradient reaches ``s_aux``). Otherwise the attention function runs SDPA's fused forward and the
+corrected backward (``gproj_patch.attention``), with GQA natively (no ``repeat_kv`` copy), ``is_causal`` as HF's
+SDPA path sets it, and the layer named ``"<AttentionClass>.<layer_idx>"`` for the policy (unless
+``track_layers`` named it). ``install()`` also wraps every other entry of HF's attention registry so that their
+calls get the same names (``integrations/hf_layer_names.py``): a model's policy keys do not depend on its
+``attn_implementation``. Without a gradient it is exactly HF's "sdpa" function.
 A boolean mask that is exactly causal or causal + sliding window (HF builds those for Mistral/Qwen2/Gemma
 windows) is recognised in the backward and handed to the kernel as flags, not as a mask.
 
-``uninstall()`` puts both registries back as they were (the key removed, or the previous value restored) where
-they still hold what ``install()`` put there (``restore_by_identity``: an entry registered again after
-``enable()`` is left, with a warning): a model built with "gproj" needs the patch enabled to run.
+``uninstall()`` puts both registries (and the wrapped entries) back as they were (the key removed, or the
+previous value restored) where they still hold what ``install()`` put there (``restore_by_identity``: an entry
+registered again after ``enable()`` is left, with a warning): a model built with "gproj" needs the patch enabled
+to run.
 """
 from __future__ import annotations
 
@@ -31,10 +35,11 @@ import torch
 from .. import telemetry
 from ..backends import compat
 from ..backends.spec import SINK_SOFTCAP_REASON
+from ..layer_context import module_layer_name
 from ..ops import attention_sink
 from ..ops import hf_eager as eager_op
 from ..ops import sdpa as sdpa_op
-from . import ABSENT, restore_by_identity
+from . import ABSENT, hf_layer_names, restore_by_identity
 
 logger = logging.getLogger("gproj_patch")
 
@@ -42,13 +47,8 @@ NAME = "gproj"
 #: the label of this path's calls in fallback reasons and shape classes (its softcap and sink forms:
 #: "hf_gproj_softcap", "hf_gproj_sink")
 SOURCE = "hf_gproj"
-_saved: Optional[dict] = None  # {"attention": previous or ABSENT, "mask": previous or ABSENT}
+_saved: Optional[dict] = None  # {"attention": previous or ABSENT, "mask": previous or ABSENT, "named": wrapped}
 _pending = None  # the import hook waiting for transformers.modeling_utils, when registration is deferred
-
-
-def _layer_name(module) -> Optional[str]:
-    idx = getattr(module, "layer_idx", None)
-    return None if idx is None else f"{type(module).__name__}.{idx}"
 
 
 def _causal(module, query, attention_mask, is_causal) -> bool:
@@ -83,7 +83,7 @@ def gproj_attention_forward(module, query, key, value, attention_mask, dropout: 
         attention_mask = attention_mask.to(query.dtype)
     enable_gqa = key.shape[1] != query.shape[1]
     out = sdpa_op.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
-                        scale=scaling, enable_gqa=enable_gqa, layer=_layer_name(module), source=SOURCE)
+                        scale=scaling, enable_gqa=enable_gqa, layer=module_layer_name(module), source=SOURCE)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -94,7 +94,7 @@ def _scaling(module, query, scaling) -> float:
 def _sink_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, sink):
     out, _ = attention_sink.sink_attention(query, key, value, attention_mask, scaling=_scaling(module, query, scaling),
                                            sink=sink, causal=_causal(module, query, attention_mask, is_causal),
-                                           dropout=float(dropout or 0.0), layer=_layer_name(module))
+                                           dropout=float(dropout or 0.0), layer=module_layer_name(module))
     return out, None
 
 
@@ -130,7 +130,7 @@ def _softcap_forward(module, query, key, value, attention_mask, dropout, scaling
     def forward(q, k, v, _sink):
         return eager(module, q, k, v, mask, **args)
     call = eager_op.EagerCall(fn=forward, scale=args["scaling"], mask=mask, softcap=float(softcap),
-                              layer=_layer_name(module), source="hf_gproj_softcap")
+                              layer=module_layer_name(module), source="hf_gproj_softcap")
     out, _ = eager_op.run_eager(call, query, key, value)
     return out, None
 
@@ -172,6 +172,7 @@ def _register() -> str:
               "mask": compat.hf_registry_mapping(AttentionMaskInterface).get(NAME, ABSENT)}
     AttentionInterface.register(NAME, gproj_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    _saved["named"] = hf_layer_names.wrap(compat.hf_registry_mapping(AttentionInterface), skip=(NAME,))
     return "installed"
 
 
@@ -184,6 +185,7 @@ def uninstall() -> None:
         return
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
+    hf_layer_names.unwrap(compat.hf_registry_mapping(AttentionInterface), _saved["named"])
     for registry, key, ours in ((AttentionInterface, "attention", gproj_attention_forward),
                                 (AttentionMaskInterface, "mask", sdpa_mask)):
         restore_by_identity(compat.hf_registry_mapping(registry), NAME, ours, _saved[key],
