@@ -58,7 +58,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def cli_doc(tmp_path_factory):
     """The README's command, in a fresh interpreter: both functions given as MODULE:FUNCTION, --strict."""
     path = tmp_path_factory.mktemp("plugin") / "plugin.json"
-    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "gproj_patch", "audit", "--quick", "--device", "cpu",
                            "--no-progress", "--strict", "--cases", CASES, "--backend", UNC, "--backend", FIX,
                            "--json", str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -179,7 +179,7 @@ def test_fixture_through_pytest_plugin_loading(tmp_path):
         "def test_bad(gproj_audit):\n"
         "    gproj_audit(eager_bf16_attention, cases='witness', device='cpu')\n")
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
-               PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "gproj_patch.audit.pytest_plugin",
                            "-p", "no:cacheprovider", str(tmp_path / "test_kernel.py")], cwd=str(tmp_path), env=env,
                           capture_output=True, text=True, timeout=300)
