@@ -22,6 +22,7 @@ from tests.helpers.flex_cases import ORIGINAL_CODE, UNPATCHED, causal  # noqa: E
 from tests.helpers.flex_cases import block_mask as _bm, case_inputs as _case, check as _check, leaf as _leaf  # noqa: E402
 from tests.helpers.memory import flat as _flat  # noqa: E402
 from tests.helpers.numerics import rel as _rel  # noqa: E402
+from gproj_patch.audit.cases import get_case  # noqa: E402
 
 
 def unpatched(*args, **kwargs):
