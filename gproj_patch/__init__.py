@@ -130,7 +130,7 @@ def enable(mode: Optional[str] = None, targets: Optional[Iterable[str]] = None, 
                 _logger.warning("%s: %s", var, why)
         if explicit or previous_level == logging.NOTSET:  # keep a level the application set itself
             _logger.setLevel(cfg.log_level)
-        _config._set_active(cfg)
+        _config.set_active(cfg)
         handle = Handle(cfg, installed, owner=True)
         _state = {"config": cfg, "installed": installed, "owner": handle, "log_level": previous_level}
         return handle
@@ -146,7 +146,7 @@ def disable() -> None:
         for target in reversed(list(_state["installed"])):
             installers[target].uninstall()
         _logger.setLevel(_state["log_level"])
-        _config._set_active(None)
+        _config.set_active(None)
         _state = None
 
 
@@ -195,7 +195,7 @@ _env_config = {}
 
 def _default_config() -> "_config.Config":
     """The environment's options (parsed once per distinct environment) for ``attention()`` without enable()."""
-    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("GPROJ_")))
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("GPROJ_") or k == "TRITON_INTERPRET"))
     cfg = _env_config.get(key)
     if cfg is None:
         cfg = _env_config[key] = _config.resolve()

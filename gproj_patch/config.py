@@ -42,7 +42,7 @@ MODES = ("gproj", "fp32", "off", "auto", "audit")
 POLICY_MODES = ("auto", "audit")
 TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex")
 TIER_OPTIONS = ("auto", "triton", "fp32")
-#: the kernel tier's KV-major launch: "auto" (``backends.gluon_bwd.kv_major_kernel`` chooses per call), "tl"
+#: the kernel tier's KV-major launch: "auto" (``plan.kv_major_choice`` chooses per call), "tl"
 KV_MAJOR_OPTIONS = ("auto", "tl")
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
            "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
@@ -158,6 +158,10 @@ class Config:
     kv_major: str = "auto"
     log_level: int = logging.WARNING
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    #: CPU fp16 tensors may run the GProj kernel through Triton's interpreter: tier "triton" (keyword or
+    #: GPROJ_TIER), or TRITON_INTERPRET set when the options were resolved (``enable()``). Decided here, once,
+    #: so that no backward reads the environment.
+    cpu_kernel: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,7 +251,8 @@ def resolve(mode=None, targets=None, environ: Optional[Mapping[str, str]] = None
         raise ValueError(f"unknown option(s) {', '.join(unknown)}{hint}; known: {', '.join(OPTION_NAMES)}")
     core = _pick(_CORE, explicit, environ)
     policy = policy_options(environ, **{k: v for k, v in explicit.items() if k in _POLICY})
-    return replace(Config(), **core, policy=policy)
+    cpu_kernel = core.get("tier") == "triton" or environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return replace(Config(), **core, policy=policy, cpu_kernel=cpu_kernel)
 
 
 def from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -260,14 +265,20 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> None:
     resolve(environ=environ)
 
 
-_active: Optional[Config] = None
+class _Active:
+    """The one holder of the enabled Config (mutated by ``set_active``, never re-bound: no ``global``)."""
+    config: Optional[Config] = None
+
+
+ACTIVE = _Active()
 
 
 def active() -> Optional[Config]:
     """The Config of the current ``enable()``, or None when the patch is off."""
-    return _active
+    return ACTIVE.config
 
 
-def _set_active(cfg: Optional[Config]) -> None:
-    global _active
-    _active = cfg
+def set_active(cfg: Optional[Config]) -> None:
+    """Make ``cfg`` the enabled configuration (None: the patch is off). Called by ``enable()``/``disable()``
+    (``gproj_patch/__init__.py``, which owns turning the patch on and off) and by the audit's scoped runs."""
+    ACTIVE.config = cfg

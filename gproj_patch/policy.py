@@ -2,8 +2,8 @@
 
 The router (``router.py``) calls, for modes "auto" and "audit",
 
-    tier = policy.decide(record, q=q, k=k, lse=lse)       # the record made at the call's forward
-    ...  # run the tier's backward
+    tier = policy.decide(record, q=q, k=k, lse=lse)       # at the call's forward, by plan.make_plan
+    ...  # the backward runs the planned tier
     policy.after_backward(record, tier=tier, grads=(dq, dk, dv), fp32_grads=callable)   # audit only
 
 ``tier`` is one of ``"original"`` (the fused backward unchanged), ``"gproj"``, ``"fp32"`` (FP32 with projection).
@@ -131,7 +131,8 @@ def _sample(record, q, k, lse, rec: LayerRecord, step: int) -> Optional[Dict[str
 
 
 def decide(record, *, q, k, lse) -> str:
-    """Tier for one backward call of ``record`` ("original", "gproj" or "fp32"; see the module docstring)."""
+    """Tier for the backward of ``record`` ("original", "gproj" or "fp32"; see the module docstring), decided
+    at its forward (``plan.make_plan``) on the forward's q, k and LSE."""
     ctx = record.context
     if ctx.mode not in MODES:
         raise ValueError(f"policy.decide: mode must be one of {MODES}, got {ctx.mode!r}")
@@ -186,10 +187,10 @@ def count_original(context) -> None:
             rec.ran = "original"
 
 
-def after_backward(record, *, tier: str, grads: Sequence[Optional[Any]] = (),
+def after_backward(record, *, tier: str, grads: Sequence[Optional[Any]] = (), step: Optional[int] = None,
                    fp32_grads: Optional[Callable[[], Sequence[Optional[Any]]]] = None) -> None:
     """Count the tier that ran for the record's layer; in audit mode, on a sampled call, compare ``grads``
-    with ``fp32_grads()`` and record the discrepancy."""
+    with ``fp32_grads()`` and record the discrepancy under ``step`` (the plan's: the step of the forward)."""
     with STATE.lock:
         rec = STATE.layers.get(record.context.layer)
         if rec is None:
@@ -202,7 +203,8 @@ def after_backward(record, *, tier: str, grads: Sequence[Optional[Any]] = (),
         if not rec.audit_pending or fp32_grads is None or record.context.mode != "audit":
             return
         rec.audit_pending = False
-        step = STATE.step()
+        if step is None:
+            step = STATE.step()
     errs = relative_errors(grads[:3], fp32_grads()[:3])
     with STATE.lock:
         rec.audit = {**{f"err_{n}": e for n, e in zip(("dq", "dk", "dv"), errs)},

@@ -1,6 +1,7 @@
 """The record of one attention call, made at its forward; its backward reads nothing else.
 
-``CallRecord = (Problem, Context)``. ``Problem`` is the math of the call (scale, causal and its alignment,
+``CallRecord = (Problem, Context, BackwardPlan)``; the plan (``plan.py``) is made right after the record, still
+at the forward. ``Problem`` is the math of the call (scale, causal and its alignment,
 window, softcap, varlen offsets, the mask the kernel cannot take as flags, dropout, sink); ``Context`` is how
 the patch was asked to run it (mode, tier option, layer name, source hook, policy options). Both are frozen and
 built once, on the forward, from the arguments and the configuration active *then*: options changed and
@@ -14,7 +15,7 @@ hashable and can be interned (the compiled SDPA path passes its index through th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
@@ -22,6 +23,9 @@ from . import config as _config
 from .layer_context import current_layer, layer_id
 from .policy import effective_config
 from .state import STATE
+
+if TYPE_CHECKING:  # plan.py imports this module
+    from .plan import BackwardPlan
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -62,12 +66,14 @@ class Context:
     source: str
     policy: _config.PolicyConfig = field(default_factory=_config.PolicyConfig)
     kv_major: str = "auto"  # the kernel tier's KV-major launch option (config.KV_MAJOR_OPTIONS)
+    cpu_kernel: bool = False  # CPU tensors may run the kernel through Triton's interpreter (config.Config)
 
 
 @dataclass(frozen=True, eq=False)
 class CallRecord:
     problem: Problem
     context: Context
+    plan: Optional["BackwardPlan"] = None  # made at the forward by plan.make_plan; the backward executes it
 
 
 def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config.Config] = None) -> Context:
@@ -77,4 +83,4 @@ def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config
     STATE.forward_started()
     name = current_layer() or layer or layer_id()
     return Context(mode=cfg.mode, tier_option=cfg.tier, layer=name, source=source,
-                   policy=effective_config(cfg.policy), kv_major=cfg.kv_major)
+                   policy=effective_config(cfg.policy), kv_major=cfg.kv_major, cpu_kernel=cfg.cpu_kernel)

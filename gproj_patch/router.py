@@ -1,17 +1,15 @@
-"""The router: one attention backward, from its forward's record to gradients, through one tier.
+"""The router: one attention backward, from its forward's record to gradients, through its planned tier.
 
-``run_backward(record, tensors, original)`` picks the tier the record's context asks for, runs it, counts it
-(``telemetry``), logs why it fell back (once per reason and shape class) and, in ``audit`` mode, reports to the
-policy. Tiers:
+``run_backward(record, tensors, original)`` carries out the call's plan (``record.plan``, made at the forward by
+``plan.make_plan``: tier, kernel and KV-major launch, FP32 form, sampling step), counts it (``telemetry``), logs
+the plan's fallback reason (once per reason and shape class) and, in ``auto``/``audit``, reports the tier that
+ran to the policy (``audit`` also compares with the FP32 tier). It decides nothing. Tiers:
 
-* ``"gproj"`` — the GProj Triton kernel (``backends.triton_bwd.gproj_backward``; its KV-major launch the Gluon
-  sm_90a kernel or the portable tl one, per call);
-* ``"fp32"`` — attention recomputed in FP32 with the projection (``backends.fp32_tier.fp32_backward``);
+* ``"gproj"`` — the GProj Triton kernel (``backends.triton_bwd.launch_backward``, its KV-major launch the one
+  the plan names);
+* ``"fp32"`` — FP32 attention with the projection: the kernel on fp32 copies or the chunked recomputation
+  (``backends.fp32_tier.fp32_backward``), as planned;
 * ``"original"`` — the caller's own uncorrected backward (``original()``, given by the hook).
-
-Modes: ``gproj`` → the kernel where ``kernel_reason`` is None, else the FP32 tier; ``fp32`` → the FP32 tier;
-``off`` → original; ``auto``/``audit`` → ``policy.decide`` chooses. The tier option ``fp32`` forces the FP32
-tier; ``triton`` turns a missing kernel into a ``RuntimeError``.
 
 Tensors are in the shared layout (``backends/spec.py``): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), any strides;
 gradients come back in the dtypes of q, k, v (plus the sink's gradient when the record has a sink).
@@ -24,11 +22,10 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import policy, telemetry
-from .config import POLICY_MODES
 from .backends.spec import normalize_lse
 from .layer_context import backward_ran
+from .plan import KernelPlan
 from .record import CallRecord, Problem
-from .state import STATE
 
 Grads = Tuple[torch.Tensor, ...]
 
@@ -53,100 +50,33 @@ def graph_backward(kept, do: torch.Tensor) -> Optional[Callable[[], Grads]]:
     return lambda: torch.autograd.grad(inner, aliases, do)
 
 
-#: devices whose kernel predicate depends only on the cache key below (on CPU it also reads the interpreter's
-#: environment variables at each call, so CPU answers are never cached)
-CACHED_DEVICES = ("cuda",)
-_KERNEL_CACHE_SIZE = 1024
-_MISSING = object()
-_kernel_module = None
-
-
-def _triton_bwd():
-    """``backends.triton_bwd``, imported on first use (it imports triton) and then held (ImportError each time
-    while it cannot be imported)."""
-    global _kernel_module
-    if _kernel_module is None:
-        from .backends import triton_bwd
-        _kernel_module = triton_bwd
-    return _kernel_module
-
-
-def _kernel_key(t: BackwardTensors, problem: Problem) -> Optional[tuple]:
-    """Cache key of ``kernel_reason`` (None: not cacheable): for 4-D inputs on a ``CACHED_DEVICES`` device, with
-    no mask tensor, sink or softcap and the forward's output and LSE, ``kernel_unsupported_reason`` reads only
-    the device type, the dtypes, the head dims and B·H. A new input of that predicate must join this key."""
-    q, k, v = t.q, t.k, t.v
-    device = q.device.type
-    if (device not in CACHED_DEVICES or problem.attn_mask is not None or problem.sink is not None
-            or problem.softcap != 0.0 or t.o is None or t.lse is None or q.dim() != 4 or k.dim() != 4
-            or v.dim() != 4):
-        return None
-    qs = q.shape
-    return device, q.dtype, k.dtype, v.dtype, qs[0] * qs[1], qs[3], k.shape[3], v.shape[3]
-
-
-def kernel_reason(t: BackwardTensors, problem: Problem, *, fp32: bool = False) -> Optional[str]:
-    """Why the GProj Triton kernel cannot take this backward (None when it can). Answers for a ``_kernel_key``
-    are kept in the runtime state (``STATE.kernel_reasons``, cleared by ``reset()``).
-
-    ``fp32=True`` asks about the FP32 tier's kernel form: the kernel on fp32 copies with fp32-level products
-    (``triton_bwd.FP32_DOT_PRECISION``); on CPU only under the Triton interpreter, as the kernel tier. Not with a
-    learnable sink: there the saved output's rounding enters the target P_sink·D and leaves δ·P_sink/(1 − P_sink)
-    of it in dq (measured 6e-4 of fp64 at a 128σ offset, tests/test_fp32_kernel.py), while the chunked tier
-    recomputes O in fp32 (1e-5). Its answers are not kept (the FP32 tier is the rare path)."""
-    if problem.dropout_p > 0.0:
-        return "dropout > 0 (the kernel takes no dropout mask)"
-    if fp32 and problem.sink is not None:
-        return "learnable sink (the chunked tier recomputes the output the sink target needs)"
-    key = None if fp32 else _kernel_key(t, problem)
-    cache = STATE.kernel_reasons
-    if key is not None:
-        cached = cache.get(key, _MISSING)
-        if cached is not _MISSING:
-            return cached
-    try:
-        triton_bwd = _triton_bwd()
-    except ImportError as exc:  # triton missing
-        return f"no triton kernel ({exc})"
-    reason = triton_bwd.kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=problem.attn_mask,
-                                                  softcap=problem.softcap, sink=problem.sink, fp32=fp32)
-    if reason is None and (t.o is None or t.lse is None):
-        return "the forward returned no LSE (non-fused forward)"
-    if key is not None:
-        if len(cache) >= _KERNEL_CACHE_SIZE:  # bounded (many B·H values): start over
-            cache.clear()
-        cache[key] = reason
-    return reason
-
-
 def _kernel_lse(lse: torch.Tensor, dead_rows: Optional[torch.Tensor]) -> torch.Tensor:
     """(B, H, Sq) fp32, +inf on ``dead_rows`` so that their P is 0 (exact: their dO is 0)."""
     return lse if dead_rows is None else lse.masked_fill(dead_rows[:, None, :], float("inf"))
 
 
-def _run_kernel(t: BackwardTensors, problem: Problem, kv_major_option: str = "auto") -> Grads:
-    """The kernel tier; its KV-major launch is the Gluon kernel or the tl one, chosen per call
-    (``gluon_bwd.kv_major_kernel``; always tl under the recorded option ``kv_major="tl"``) and counted
-    (``stats()["kv_major"]``)."""
-    triton_bwd = _triton_bwd()
+def _run_kernel(t: BackwardTensors, problem: Problem, kernel: KernelPlan) -> Grads:
+    """The kernel tier as planned: its KV-major launch the Gluon kernel or the tl one (counted in
+    ``stats()["kv_major"]``), on CUDA or, for CPU tensors the plan allowed, through Triton's interpreter."""
+    from .backends.spec import MaskSpec
+    from .backends.triton_bwd import launch_backward
     extra = {} if problem.sink is None else {"sink": problem.sink}  # the LSE includes the sink: never drop it
-    if kv_major_option == "tl":
-        kv_major, why = "tl", "kv_major=tl (GPROJ_KV_MAJOR / enable option)"
-    else:
-        from .backends.gluon_bwd import kv_major_kernel
-        kv_major, why = kv_major_kernel(t.q, t.k, t.v, t.do, **problem.flags)
-    telemetry.record_kv_major(kv_major, why)
-    return triton_bwd.gproj_backward(t.do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale,
-                                     max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
-                                     correct=True, kv_major=kv_major, **problem.flags, **extra)
+    telemetry.record_kv_major(kernel.kv_major, kernel.kv_major_reason)
+    do = t.do.contiguous() if kernel.kv_major == "gluon" else t.do  # TMA needs aligned strides (planned as q's)
+    mask = MaskSpec(causal=problem.causal, causal_align=problem.causal_align, window=tuple(problem.window),
+                    softcap=float(problem.softcap))
+    return launch_backward(do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale, mask=mask,
+                           cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
+                           max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k, correct=True,
+                           kv_major=kernel.kv_major, **extra)
 
 
-def _run_fp32(t: BackwardTensors, problem: Problem, kv_major_option: str = "auto") -> Grads:
-    """The FP32 tier: the kernel on fp32 copies where ``kernel_reason(fp32=True)`` allows (no S×S scores,
-    fp32-level products), else attention recomputed in chunked FP32 GEMMs (``backends.fp32_tier``)."""
-    if kernel_reason(t, problem, fp32=True) is None:
+def _run_fp32(t: BackwardTensors, problem: Problem, fp32_kernel: Optional[KernelPlan]) -> Grads:
+    """The FP32 tier as planned: the kernel on fp32 copies (no S×S scores, fp32-level products), or attention
+    recomputed in chunked FP32 GEMMs (``backends.fp32_tier``)."""
+    if fp32_kernel is not None:
         return _run_kernel(BackwardTensors(*(x.float() for x in (t.do, t.q, t.k, t.v, t.o)), t.lse, t.dead_rows),
-                           problem, kv_major_option)
+                           problem, fp32_kernel)
     from .backends.fp32_tier import fp32_backward
     extra = {}
     if problem.sink is not None:
@@ -164,49 +94,36 @@ def _cast(grads: Grads, t: BackwardTensors) -> Grads:
     return tuple(g if i >= 3 or g.dtype == like[i].dtype else g.to(like[i].dtype) for i, g in enumerate(grads))
 
 
-def choose_tier(record: CallRecord, t: BackwardTensors, has_original: bool) -> Tuple[str, Optional[str]]:
-    """(tier, fallback reason or None) for this call."""
-    ctx, problem = record.context, record.problem
-    if ctx.mode == "off":
-        return ("original", None) if has_original else ("fp32", f"{ctx.source}: no original backward available")
-    if ctx.mode == "fp32" or ctx.tier_option == "fp32":
-        return "fp32", None
-    if ctx.mode in POLICY_MODES:
-        tier = policy.decide(record, q=t.q, k=t.k, lse=t.lse)
-        if tier == "original" and not has_original:
-            return "fp32", f"{ctx.source}: no original backward available"
-        if tier != "gproj":
-            return tier, None
-    reason = kernel_reason(t, problem)
-    if reason is None:
-        return "gproj", None
-    if ctx.tier_option == "triton":
-        raise RuntimeError(f"GPROJ_TIER=triton but the GProj kernel cannot run: {reason}")
-    return "fp32", reason
-
-
 def run_backward(record: CallRecord, t: BackwardTensors, original: Optional[Callable[[], Grads]] = None, *,
                  stand_in_reason: Optional[str] = None) -> Grads:
-    """Gradients (dq, dk, dv[, dsink]) of one attention call through the tier its record selects.
+    """Gradients (dq, dk, dv[, dsink]) of one attention call: its plan (``record.plan``, made at the forward by
+    ``plan.make_plan``) carried out.
 
-    ``original()`` computes the caller's own backward; ``stand_in_reason``, when set, says that ``original`` is
-    an uncorrected stand-in rather than the real fused backward (logged as the reason when it runs).
+    ``original()`` computes the caller's own backward (the plan chose it only where the hook said it has one);
+    ``stand_in_reason``, when set, says that ``original`` is an uncorrected stand-in rather than the real fused
+    backward (logged as the reason when it runs).
     """
+    plan = record.plan
+    if plan is None:
+        raise RuntimeError(f"{record.context.source}: a backward without a plan (every hook plans at its forward)")
+    if plan.error is not None:
+        raise RuntimeError(plan.error)
     backward_ran()
     lse = t.lse
     if lse is not None and not (lse.dtype == torch.float32 and lse.shape == t.q.shape[:3]):  # else already so
         t = BackwardTensors(t.do, t.q, t.k, t.v, t.o, normalize_lse(lse, *t.q.shape[:3]), t.dead_rows)
-    tier, reason = choose_tier(record, t, original is not None)
+    tier, reason = plan.tier, plan.reason
     if tier == "original":
         reason = stand_in_reason or reason
         grads = original()
     elif tier == "gproj":
-        grads = _run_kernel(t, record.problem, record.context.kv_major)
+        grads = _run_kernel(t, record.problem, plan.kernel)
     else:
-        grads = _run_fp32(t, record.problem, record.context.kv_major)
+        grads = _run_fp32(t, record.problem, plan.fp32_kernel)
     grads = _cast(tuple(grads), t)
     # the shape class only keys the once-per-class log of a reason: built only when there is one
     telemetry.record_backward(tier, reason, telemetry.shape_class(record.context.source, t.q, t.k) if reason else ())
     if record.context.mode in policy.MODES:
-        policy.after_backward(record, tier=tier, grads=grads, fp32_grads=lambda: _run_fp32(t, record.problem, record.context.kv_major))
+        policy.after_backward(record, tier=tier, grads=grads, step=plan.step,
+                              fp32_grads=lambda: _run_fp32(t, record.problem, plan.fp32_kernel))
     return grads

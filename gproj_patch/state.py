@@ -31,8 +31,13 @@ This module imports nothing from the package (everyone imports it).
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, Dict, List, Optional
+
+
+#: compiled forwards whose (context, plan) is kept for their backward: a bound far above the attention calls
+#: of one step (each entry is a few hundred bytes, no tensor)
+COMPILED_CALLS_MAX = 16384
 
 
 class RuntimeState:
@@ -43,6 +48,12 @@ class RuntimeState:
         # A plain list: Dynamo traces its append/pop (a ContextVar.set is a graph break) and reads the name as a
         # constant of the graph. Kept by identity (reset() clears it in place).
         self.traced_layers: List[str] = []
+        # compiled hooks (ops/sdpa_compiled.py, ops/flex_compiled.py): each forward op files its call's context
+        # and plan under a call number that travels through the graph to its backward op. A bounded channel, not
+        # statistics: kept by reset() (a backward after a reset still finds its forward's plan); bounded by
+        # COMPILED_CALLS_MAX (oldest dropped: forwards whose backward never runs); holds no tensor
+        self.compiled_calls: "OrderedDict[int, Any]" = OrderedDict()
+        self.compiled_call_count = 0
         self.reset()
 
     def reset(self) -> None:
@@ -116,6 +127,22 @@ class RuntimeState:
 
     def backward_ran(self) -> None:
         self.backward_seen = True
+
+    # --- compiled calls ---------------------------------------------------------------------------------
+    def file_compiled_call(self, entry: Any) -> int:
+        """File a compiled forward's (context, plan) entry; returns its call number."""
+        with self.lock:
+            self.compiled_call_count += 1
+            n = self.compiled_call_count
+            self.compiled_calls[n] = entry
+            while len(self.compiled_calls) > COMPILED_CALLS_MAX:
+                self.compiled_calls.popitem(last=False)
+            return n
+
+    def compiled_call(self, n: int) -> Any:
+        """The entry filed under call number ``n`` (KeyError when dropped: reset(), or over the bound)."""
+        with self.lock:
+            return self.compiled_calls[n]
 
 
 STATE = RuntimeState()

@@ -72,11 +72,11 @@ def eager_run(corrected: bool):
             call = op.EagerCall(fn=lambda a, b, c, s: hf_eager_math(a, b, c, s, **kwargs), scale=scale, mask=mask,
                                 softcap=softcap, source="audit:hf_eager")
             previous = config.active()
-            config._set_active(previous or Config(mode="gproj"))
+            config.set_active(previous or Config(mode="gproj"))
             try:
                 out = op.run_eager(call, q, kk, v)[0]
             finally:
-                config._set_active(previous)
+                config.set_active(previous)
         else:
             out = hf_eager_math(q, kk, v, None, **kwargs)[0]
         out.backward(inp.do.transpose(1, 2))

@@ -17,6 +17,10 @@ Imports of triton, transformers and flash-attn happen inside the functions: this
 | ``is_context_parallel_wrapper(fn)`` | ``torch.distributed.tensor.experimental._context_parallel._attention._replaced_functions`` | torch 2.11, 2.13 | SDPA hook |
 | ``register_torchscript_builtin(fn, op)`` | ``torch.jit._builtins._register_builtin`` | torch 2.11, 2.13 | SDPA hook (TorchScript) |
 | ``dynamo_module_name()`` | the module ``torch._dynamo`` (imported first by ``torch.compile``; its import loads the compiled flex path) | torch 2.11, 2.13 | flex hook |
+| ``BUILTIN_SDPA`` | ``torch._C._nn.scaled_dot_product_attention`` (the C builtin behind ``F.scaled_dot_product_attention``) | torch 2.11, 2.13 | SDPA hook |
+| ``assume_constant_result(fn)`` | ``torch._dynamo.assume_constant_result`` (a trace-time call folded to its result) | torch 2.11, 2.13 | compiled flex hook |
+| ``flex_identity_score_mod()``, ``FLEX_SLICED_MASK_MOD`` | ``torch.nn.attention.flex_attention._identity``; the name of the stub flex puts in a sliced BlockMask (``_sliced_mask_mod_error``) | torch 2.11, 2.13 | flex hook |
+| ``load_interpreted_module(name, path, interpret)`` | ``triton.knobs.runtime.interpret`` (read when a file's ``@triton.jit`` decorators run) and ``knobs.runtime.scope()`` | triton 3.6 | Triton kernel on CPU |
 | ``triton_interpreter_index_patch()`` | ``triton.runtime.interpreter._patch_lang_tensor`` | triton 3.6 | Triton kernel on CPU |
 | ``gluon_unsupported_reason(version)`` | ``triton.experimental.gluon`` (experimental: ``warp_specialize``'s signature, ``warpgroup_mma_init``, rank-1 ``NVMMASharedLayout`` TMA boxes) | triton 3.6 | Gluon KV-major kernel |
 
@@ -34,7 +38,31 @@ class CompatError(RuntimeError):
     """An upstream private API is not what this version of gproj_patch was written against."""
 
 
-# ---- PyTorch SDPA: the LSE saved by the fused autograd node ------------------------------------------------
+# ---- PyTorch SDPA: the builtin, and the LSE saved by the fused autograd node ---------------------------------
+BUILTIN_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+def assume_constant_result(fn):
+    """``torch._dynamo.assume_constant_result(fn)``: under tracing, ``fn``'s call is evaluated once and its result
+    becomes a constant of the graph (no guard on what it read)."""
+    import torch._dynamo
+    return torch._dynamo.assume_constant_result(fn)
+
+
+#: the name of the stub mask_mod FlexAttention puts in a sliced BlockMask (its mask_mod is not the original's)
+FLEX_SLICED_MASK_MOD = "_sliced_mask_mod_error"
+
+
+def flex_identity_score_mod():
+    """FlexAttention's default score_mod (``flex_attention._identity``): a call with it has no score_mod."""
+    from torch.nn.attention import flex_attention as fa
+    fn = getattr(fa, "_identity", None)
+    if fn is None:
+        raise CompatError("torch.nn.attention.flex_attention._identity is gone (checked on torch 2.11, 2.13)")
+    return fn
+
+
+
 FUSED_SDPA_NODES = ("ScaledDotProductCudnnAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
                     "ScaledDotProductFlashAttentionForCpuBackward0", "ScaledDotProductEfficientAttentionBackward0",
                     "ScaledDotProductFusedAttentionOverrideableBackward0")
@@ -193,6 +221,24 @@ def dynamo_module_name() -> str:
 
 
 # ---- Triton's interpreter ----------------------------------------------------------------------------------
+def load_interpreted_module(name: str, path: str, interpret: bool):
+    """The Python file ``path`` loaded as module ``name`` with Triton's interpreter on (``interpret``) or off:
+    Triton decides when a file's ``@triton.jit`` decorators run (its ``knobs.runtime.interpret``, which defaults
+    to the TRITON_INTERPRET variable), so the same kernels load as a compiled and an interpreted copy; the knob is
+    set inside ``knobs.runtime.scope()`` (restored afterwards) and no environment variable is read or written."""
+    import importlib.util
+    import sys
+
+    from triton import knobs
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    with knobs.runtime.scope():
+        knobs.runtime.interpret = bool(interpret)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
 @contextlib.contextmanager
 def triton_interpreter_index_patch() -> Iterator[None]:
     """Triton 3.6's interpreter converts loop bounds with ``int(ndarray of shape (1,))``, which numpy >= 2.4

@@ -7,15 +7,16 @@ half of the tensor pipe there, BENCHMARKS.md run 19); the dQ-major launch stays 
 numerics contract: dv = Σ low(P)ᵀ dO, dk = α·Σ low(P∘(dP − D − λ))ᵀ Q (the fused form), fp32 accumulation,
 no atomics, bitwise deterministic.
 
-``kv_major_reason(...)`` is the predicate: None when the Gluon kernel takes the call, else why not — then
-``triton_bwd`` runs the ``tl`` KV-major kernel, per call (``stats()["kernels"]`` counts which ran).
+``kv_major_reason(...)`` is the predicate: None when the Gluon kernel takes the call, else why not; the call's
+plan (``plan.kv_major_choice``) decides at its forward, and ``stats()["kv_major"]`` counts which ran.
 Covered: bf16/fp16; head dim 64 or 128; dense or causal, top-left or bottom-right; Sq ≠ Sk and any lengths;
 MHA, GQA/MQA (dk/dv reduced over the group in one CTA, no K/V copies); any batch and head counts; any strides
 with a contiguous last dimension and 16-byte-aligned base and strides (TMA); Sq a multiple of 4; with or without a learnable sink
 (the KV-major launch only reads λ). Not covered: sliding windows, softcap, varlen, the two-product dk form,
 ``correct=False``, fp32 inputs, other head dims, GPUs other than sm_90, a Triton without Gluon.
 
-``gluon_backward`` is ``triton_bwd.gproj_backward`` with the Gluon KV-major launch required (tests, benchmarks).
+``triton_bwd.gluon_backward`` (``gproj_backward(..., kv_major="gluon")``) runs it explicitly (tests, benchmarks; ValueError where
+``kv_major_reason`` refuses the call). This module imports nothing from ``triton_bwd`` (no import cycle).
 
 Importing this module needs neither CUDA nor Gluon; ``kv_major_reason`` then says what is missing
 (``UNAVAILABLE_REASON``: also a Triton release the kernel was not checked against, ``compat.gluon_unsupported_reason``).
@@ -46,7 +47,7 @@ if UNAVAILABLE_REASON is None:
 
 #: head dims the kernel is instantiated for
 GLUON_HEAD_DIMS = (64, 128)
-#: head dims where it is the default (``kv_major_kernel``): faster than the tl KV-major kernel on the
+#: head dims where it is the default (``plan.kv_major_choice``): faster than the tl KV-major kernel on the
 #: H200 at every shape timed (BENCHMARKS.md run 23: D=128 ×0.82–0.91 of the tl launch; D=64 ×1.07–1.13, slower)
 FASTER_HEAD_DIMS = (128,)
 #: the one compute capability the kernel is written for (TMA, wgmma, setmaxnreg: sm_90a)
@@ -147,23 +148,6 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
     return None
 
 
-def kv_major_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
-                    window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                    correct: bool = True, dk_form: Optional[str] = None, faster_only: bool = True,
-                    **_ignored) -> Tuple[str, Optional[str]]:
-    """(KV-major kernel, why not the Gluon one) for a call the kernel tier takes: ("gluon", None) where
-    ``kv_major_reason`` allows it and (with ``faster_only``) the head dim is one where it measured faster than the
-    tl kernel (``FASTER_HEAD_DIMS``), else ("tl", why). The router counts the answer in ``stats()``."""
-    if do.dtype != q.dtype:
-        do = None  # gproj_backward casts it to q's dtype first
-    reason = kv_major_reason(q, k, v, do=do, window=window, softcap=softcap,
-                             varlen=cu_seqlens_q is not None or cu_seqlens_k is not None, correct=correct,
-                             dk_form=dk_form)
-    if reason is None and faster_only and q.shape[-1] not in FASTER_HEAD_DIMS:
-        reason = f"head_dim={q.shape[-1]}: the tl KV-major kernel is faster there"
-    return ("gluon", None) if reason is None else ("tl", reason)
-
-
 def _descriptor(x: torch.Tensor, block_rows: int) -> "TensorDescriptor":
     """4-D TMA descriptor over (B, H, S, D) with (1, 1, block_rows, D) boxes; rows past S read as zeros.
     Strides of size-1 dims are never used; they are replaced by an aligned value TMA accepts."""
@@ -225,33 +209,3 @@ def launch_dkdv(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor,
     cfg = config or CONFIGS[job.q.shape[-1]]
     return _gk._dkdv_kernel[(triton.cdiv(SK, BLOCK_N), HKV, B)](
         **dkdv_arguments(job, delta, lse2, lam, cfg), num_warps=NUM_WARPS, maxnreg=MAXNREG)
-
-
-def gluon_supported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                           do: Optional[torch.Tensor] = None, causal: bool = False,
-                           causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1),
-                           softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None, attn_mask=None,
-                           dropout_p: float = 0.0, correct: bool = True, dk_form: Optional[str] = None,
-                           sink=None, **_ignored) -> Optional[str]:
-    """None when ``gluon_backward`` runs these inputs: the ``tl`` kernel's predicate and ``kv_major_reason``."""
-    from .triton_bwd import kernel_unsupported_reason
-    reason = kernel_unsupported_reason(q, k, v, dropout_p=dropout_p, attn_mask=attn_mask, softcap=softcap,
-                                       sink=sink)
-    if reason is not None:
-        return reason
-    if causal and causal_align not in ("top_left", "bottom_right"):
-        return f"causal_align={causal_align}"
-    return kv_major_reason(q, k, v, do=do, window=window, softcap=softcap,
-                           varlen=cu_seqlens_q is not None or cu_seqlens_k is not None, correct=correct,
-                           dk_form=dk_form)
-
-
-def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, **kwargs):
-    """``triton_bwd.gproj_backward`` with the Gluon KV-major launch (ValueError where ``gluon_supported_reason``
-    is not None). ``_gluon_config`` (a ``KernelConfig``) overrides the tile config (benchmarks)."""
-    from .triton_bwd import gproj_backward
-    reason = gluon_supported_reason(q, k, v, do=do, **{n: x for n, x in kwargs.items() if not n.startswith("_")})
-    if reason is not None:
-        raise ValueError(f"gluon_backward cannot run these inputs: {reason}")
-    return gproj_backward(do, q, k, v, o, lse, kv_major="gluon", **kwargs)

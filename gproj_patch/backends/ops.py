@@ -14,17 +14,12 @@ implementation), so ``torch.compile(fullgraph=True)`` traces through it as one o
 four outputs, dsink like ``torch.empty_like(sink)``), so the three-output schema of the first op is unchanged.
 
 The op runs the Triton kernel and nothing else: it raises ``ValueError`` with
-``triton_bwd.kernel_unsupported_reason`` when the kernel cannot take the inputs (choosing a fallback tier is
-``dispatch.py``'s job).
+``triton_bwd.kernel_unsupported_reason`` when the kernel cannot take the inputs (choosing a fallback tier is the
+call's plan's job, ``plan.py``).
 
-**CPU / CI switch.** ``GPROJ_TIER=triton`` (or ``TRITON_INTERPRET=1``) in the environment makes the op run the
-real kernels on CPU tensors through Triton's interpreter (FP16; the interpreter's BF16 is inexact and is
-refused). Example::
-
-    GPROJ_TIER=triton python -c "import torch; from gproj_patch.backends.ops import attention_backward; ..."
-
-The interpreted copy of the kernels is loaded separately from the compiled one, so the variable may be set
-at any time before the call (also after ``import triton``).
+**CPU.** An explicit call of the kernel runs where its tensors are: on CPU through Triton's interpreter (FP16 and
+FP32; the interpreter's BF16 is inexact and is refused). No environment variable is read; the interpreted copy of
+the kernels is loaded separately from the compiled one.
 """
 from __future__ import annotations
 

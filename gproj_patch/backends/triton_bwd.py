@@ -71,22 +71,22 @@ gradients.
 dropout, fp64 inputs (fp32 only with ``fp32=True``), head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, docs/design.md §4),
 a sink of the wrong shape, dtype or device, softcap with a sink.
 
-**CPU.** With ``GPROJ_TIER=triton`` or ``TRITON_INTERPRET=1`` in the environment, CPU fp16 tensors run the same
-kernels through Triton's interpreter (slow; meant for CI). The interpreted copy of the kernels is loaded
-separately, so this works whatever order triton was imported in.
+**CPU.** CPU fp16/fp32 tensors run the same kernels through Triton's interpreter (slow; meant for CI): always
+for an explicit ``gproj_backward`` call; for the patch's backwards where the call's plan says so
+(``cpu_kernel``: tier "triton" or TRITON_INTERPRET when ``enable()`` resolved the options). Nothing here reads
+the environment. The interpreted copy of the kernels is loaded separately (``compat.load_interpreted_module``),
+so this works whatever order triton was imported in.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-import sys
 import threading
 from typing import Optional, Tuple
 
 import torch
 
-from .compat import triton_interpreter_index_patch
+from .compat import load_interpreted_module, triton_interpreter_index_patch
 from .spec import (MaskSpec, default_scale, normalize_lse, sink_unsupported_reason, validate_cu_seqlens,
                    validate_qkv)
 
@@ -137,41 +137,24 @@ _INTERP_BLOCK = 16
 _POISON_OUTPUTS = False
 #: launches to run (benchmarks time the kernels one at a time by removing the others; results then invalid)
 _RUN = ("dq", "dkdv")
-#: registers / spills of the last compiled launch (for the benchmark's notes)
+#: bounded cache: registers / spills of the last compiled launch, one entry per launch kind ("dq", "dkdv",
+#: "kv_major"), overwritten by each backward (for the benchmarks' notes)
 LAST_KERNELS: dict = {}
 
 _lock = threading.Lock()
+#: bounded cache: the kernel files, loaded once each as a compiled and an interpreted copy (at most 2 × 2)
 _modules = {}
-
-
-def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or \
-        os.environ.get("GPROJ_TIER", "").lower() == "triton"
 
 
 def _kernels(interpret: bool, source: str = "triton_kernels"):
     """The kernel module ``source`` (a file of this folder), compiled (CUDA) or interpreted (CPU tensors), each
-    loaded once."""
+    loaded once (``compat.load_interpreted_module``)."""
     key = ("interp" if interpret else "cuda", source)
     with _lock:
         mod = _modules.get(key)
-        if mod is not None:
-            return mod
-        path = os.path.join(os.path.dirname(__file__), f"{source}.py")
-        name = f"gproj_patch.backends._{source}_{key[0]}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-        try:
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old
-        _modules[key] = mod
+        if mod is None:
+            path = os.path.join(os.path.dirname(__file__), f"{source}.py")
+            mod = _modules[key] = load_interpreted_module(f"gproj_patch.backends._{source}_{key[0]}", path, interpret)
         return mod
 
 
@@ -204,13 +187,15 @@ def block_config(kind: str, block_d: int, fp32: bool = False) -> Tuple[int, int,
 
 def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
                               attn_mask=None, softcap: float = 0.0, sink=None, fp32: bool = False,
-                              **_ignored) -> Optional[str]:
+                              cpu_kernel: bool = False, **_ignored) -> Optional[str]:
     """None when ``gproj_backward`` handles these inputs; otherwise a short reason for the fallback log.
 
     The single predicate of the kernel tier: every head dim 1..256, bf16/fp16, CUDA (or CPU fp16 under the
     interpreter), and a ``sink`` (if any) of shape (Hq,), fp32 or the input dtype, on q's device, without a
     softcap. ``fp32=True`` asks about the FP32 tier's form instead: the kernels run on fp32 copies of these
-    inputs (bf16/fp16/fp32; any of them under the interpreter, whose fp32 is exact)."""
+    inputs (bf16/fp16/fp32; any of them under the interpreter, whose fp32 is exact). ``cpu_kernel``: the caller
+    lets CPU tensors run through Triton's interpreter (the plan's decision, from the options; never read from
+    the environment here)."""
     if not _HAS_TRITON:
         return "no triton"
     if attn_mask is not None:
@@ -236,7 +221,7 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.device.type == "cuda":
         return None
     if q.device.type == "cpu":
-        if not _interpret_env():
+        if not cpu_kernel:
             return "cpu tensor without GPROJ_TIER=triton/TRITON_INTERPRET=1"
         if q.dtype == torch.bfloat16 and not fp32:
             return "bfloat16 under the Triton interpreter (inexact)"
@@ -259,25 +244,42 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     ``dk_form`` ("two_product" | "fused") picks the dk contraction (default ``DEFAULT_DK_FORM``).
     ``sink`` (Hq,): the learnable sink logits the forward's LSE includes; the result is then (dq, dk, dv,
     dsink), dsink shaped and typed like ``sink`` (module docstring).
-    ``kv_major`` picks the KV-major launch: "gluon" (the warp-specialized sm_90a kernel, ``gluon_bwd``), "tl", or
-    None: "gluon" where ``gluon_bwd.kv_major_kernel`` chooses it, else "tl".
+    ``kv_major`` picks the KV-major launch: "gluon" (the warp-specialized sm_90a kernel, ``gluon_bwd``) or "tl"
+    (also for None); choosing the faster one per call is the plan's (``plan.kv_major_choice``).
     Raises ValueError when ``kernel_unsupported_reason`` is not None, or "gluon" is asked for and not possible.
     """
     mask = MaskSpec(causal=bool(causal), causal_align=causal_align, window=tuple(int(w) for w in window),
                     softcap=float(softcap))
-    reason = kernel_unsupported_reason(q, k, v, softcap=softcap, sink=sink, fp32=q.dtype == torch.float32)
+    # an explicit call of the kernel: CPU tensors run through the interpreter (fp16/fp32; its bf16 is refused)
+    reason = kernel_unsupported_reason(q, k, v, softcap=softcap, sink=sink, fp32=q.dtype == torch.float32,
+                                       cpu_kernel=True)
     if reason is not None:
         raise ValueError(f"gproj_backward cannot run these inputs: {reason}")
     validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
+    kv_major = _checked_kv_major(kv_major, q, k, v, do, mask, cu_seqlens_q, cu_seqlens_k, correct, dk_form)
+    return launch_backward(do, q, k, v, o, lse, scale=scale, mask=mask, cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                           correct=correct, dk_form=dk_form, _config=_config, sink=sink, kv_major=kv_major,
+                           _gluon_config=_gluon_config)
+
+
+def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec,
+                    cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                    max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                    correct: bool = True, dk_form: Optional[str] = None, _config: Optional[dict] = None,
+                    sink: Optional[torch.Tensor] = None, kv_major: str = "tl", _gluon_config=None):
+    """``gproj_backward`` for inputs its caller already checked (the router runs a call's plan here: support
+    and the KV-major kernel were decided at the forward, ``plan.py``). Decides nothing: the kernels run where
+    the tensors are (compiled on CUDA, interpreted on CPU) with ``kv_major`` as given."""
     B, H, SQ, D = q.shape
     SK = k.shape[2]
     if D < MIN_BLOCK_D:  # zero-padded on the host (see _pad_head_dim); outputs back at width D, like q, k, v
-        grads = gproj_backward(
-            *(_pad_head_dim(x) for x in (do, q, k, v, o)), lse, scale=default_scale(D, scale), causal=causal,
-            causal_align=causal_align, window=window, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, correct=correct,
-            deterministic=deterministic, dk_form=dk_form, _config=_config, sink=sink, kv_major=kv_major,
-            _gluon_config=_gluon_config)
+        grads = launch_backward(
+            *(_pad_head_dim(x) for x in (do, q, k, v, o)), lse, scale=default_scale(D, scale), mask=mask,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, correct=correct, dk_form=dk_form, _config=_config, sink=sink,
+            kv_major="tl" if kv_major == "gluon" else kv_major, _gluon_config=_gluon_config)
         narrow = tuple(torch.empty_like(x).copy_(g[..., :D]) for x, g in zip((q, k, v), grads))
         return narrow + tuple(grads[3:])
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -293,7 +295,6 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         o = o.to(q.dtype)
         do = do.to(q.dtype)
     lse = normalize_lse(lse, B, H, SQ)
-    kv_major = _kv_major(kv_major, q, k, v, do, mask, cu_seqlens_q, cu_seqlens_k, correct, dk_form)
 
     interpret = q.device.type != "cuda"
     varlen = cu_seqlens_q is not None
@@ -345,25 +346,53 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv, sink_gradient(target.view(B, H, SQ), job)
 
 
-def _kv_major(asked: Optional[str], q, k, v, do, mask: MaskSpec, cu_seqlens_q, cu_seqlens_k, correct: bool,
-              dk_form: Optional[str]) -> str:
-    """The KV-major kernel of this call: "tl" when asked; "gluon" when asked and ``kv_major_reason`` allows it
-    (ValueError otherwise; no speed preference: benchmarks and tests ask for it at every covered head dim); the
-    choice of ``gluon_bwd.kv_major_kernel`` when None."""
+def _checked_kv_major(asked: Optional[str], q, k, v, do, mask: MaskSpec, cu_seqlens_q, cu_seqlens_k,
+                      correct: bool, dk_form: Optional[str]) -> str:
+    """The KV-major kernel of an explicit call: "tl" unless asked for (None and "tl" are the portable kernel);
+    "gluon" when ``kv_major_reason`` allows it (ValueError otherwise). No speed preference here: choosing the
+    faster kernel per call is the plan's (``plan.py``)."""
     if asked not in KV_MAJOR_KERNELS + (None,):
         raise ValueError(f"kv_major must be one of {KV_MAJOR_KERNELS} or None, got {asked!r}")
-    if asked == "tl":
+    if asked != "gluon":
         return "tl"
     # imported here, not at module level: gluon_bwd imports torch, whose import hook may load this module
     # (backends/ops.py) while gluon_bwd is still initializing
-    from .gluon_bwd import kv_major_kernel
-    name, reason = kv_major_kernel(q, k, v, do, window=mask.window, softcap=mask.softcap, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k, correct=correct, dk_form=dk_form,
-                                   faster_only=asked is None)
-    if asked == "gluon" and reason is not None:
+    from .gluon_bwd import kv_major_reason
+    reason = kv_major_reason(q, k, v, do=do if do.dtype == q.dtype else None, window=mask.window,
+                             softcap=mask.softcap, varlen=cu_seqlens_q is not None or cu_seqlens_k is not None,
+                             correct=correct, dk_form=dk_form)
+    if reason is not None:
         raise ValueError(f"kv_major='gluon' cannot run these inputs: {reason}")
-    return name
+    return "gluon"
 
+
+
+def gluon_supported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Optional[torch.Tensor] = None,
+                           **mask_and_options) -> Optional[str]:
+    """None when ``gluon_backward`` runs these inputs: this kernel's predicate (CPU allowed, as an explicit call),
+    then ``gluon_bwd.kv_major_reason``. ``mask_and_options``: the mask kwargs plus ``attn_mask``, ``dropout_p``,
+    ``sink``, ``correct``, ``dk_form``."""
+    from .gluon_bwd import kv_major_reason
+    o = mask_and_options
+    reason = kernel_unsupported_reason(q, k, v, dropout_p=o.get("dropout_p", 0.0), attn_mask=o.get("attn_mask"),
+                                       softcap=o.get("softcap", 0.0), sink=o.get("sink"), cpu_kernel=True)
+    if reason is not None:
+        return reason
+    if o.get("causal") and o.get("causal_align", "top_left") not in ("top_left", "bottom_right"):
+        return f"causal_align={o['causal_align']}"
+    return kv_major_reason(q, k, v, do=do, window=o.get("window", (-1, -1)), softcap=o.get("softcap", 0.0),
+                           varlen=o.get("cu_seqlens_q") is not None or o.get("cu_seqlens_k") is not None,
+                           correct=o.get("correct", True), dk_form=o.get("dk_form"))
+
+
+def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   lse: torch.Tensor, **kwargs):
+    """``gproj_backward`` with the Gluon KV-major launch required (ValueError where ``gluon_supported_reason`` is
+    not None; tests and benchmarks). ``_gluon_config`` (a ``gluon_bwd.KernelConfig``) overrides its tiles."""
+    reason = gluon_supported_reason(q, k, v, do=do, **{n: x for n, x in kwargs.items() if not n.startswith("_")})
+    if reason is not None:
+        raise ValueError(f"gluon_backward cannot run these inputs: {reason}")
+    return gproj_backward(do, q, k, v, o, lse, kv_major="gluon", **kwargs)
 
 def _launch(km, interpret: bool, job) -> torch.Tensor:
     """The launches of one backward (``triton_launch.launch``), with the parts ``_RUN`` names."""
@@ -379,7 +408,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = 
     For callers that hold a fused forward's output but not its LSE (inside a ``torch.compile``d graph the SDPA
     hook cannot reach the fused node's saved LSE). Same device rules as ``gproj_backward``.
     """
-    reason = kernel_unsupported_reason(q, k, k)
+    reason = kernel_unsupported_reason(q, k, k, cpu_kernel=True)  # an explicit call: CPU interpreted
     if reason is not None:
         raise ValueError(f"attention_lse cannot run here: {reason}")
     B, Hq, Sq, D = q.shape

@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import telemetry
+from ..plan import ForwardTensors, make_plan
 from ..record import CallRecord, Problem, make_context
 
 SINK_DTYPE = torch.float32  # the sink as the GProj tiers take it (exact for FA4's fp16/bf16/fp32 sinks)
@@ -110,9 +111,27 @@ def mismatch(recorded: Problem, given: Problem) -> Optional[str]:
     return None
 
 
-def make_call_record(b: dict, source: str, sink: Optional[torch.Tensor]) -> CallRecord:
-    """The record of a forward running now: its problem from the arguments, the context active now."""
-    return CallRecord(problem_of(b, sink), make_context(source))
+def to_bhsd(x: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """flash-attn's (B, S, H, D) — varlen (total, H, D) — as the backends' (B, H, S, D) view."""
+    return x.unsqueeze(0).transpose(1, 2) if varlen else x.transpose(1, 2)
+
+
+def planned(record: CallRecord, b: dict, out: Optional[torch.Tensor], lse: Optional[torch.Tensor]) -> CallRecord:
+    """``record`` with its backward plan (``plan.make_plan``), from the call's q, k, v, output and LSE; the
+    library's own backward is always there to run (``has_original``)."""
+    varlen = arg(b, "cu_seqlens_q") is not None
+    q = arg(b, "q")
+    k, v = (arg(b, n, default=q) for n in ("k", "v"))  # (every flash-attn forward passes all three)
+    q, k, v = (to_bhsd(x, varlen) for x in (q, k, v))
+    o = None if out is None else to_bhsd(out, varlen)
+    return make_plan(record, ForwardTensors(q, k, v, o, lse), has_original=True)
+
+
+def make_call_record(b: dict, source: str, sink: Optional[torch.Tensor], result=None) -> CallRecord:
+    """The record and plan of a forward running now: its problem from the arguments, the context active now,
+    the plan from its tensors (``result``: the forward's return value, output first)."""
+    out = result[0] if isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor) else None
+    return planned(CallRecord(problem_of(b, sink), make_context(source)), b, out, lse_of(result))
 
 
 # ---- filing and finding -------------------------------------------------------------------------------------
@@ -180,7 +199,9 @@ def unrecorded(b: dict, source: str, sink: Optional[torch.Tensor]) -> ForwardRec
     """The record of a backward whose forward filed none, made now from its arguments ``b`` (the layer is the
     source: nothing names it now), the reason logged once per shape class."""
     telemetry.note_reason(NO_RECORD_REASON, telemetry.shape_class(source))
-    return ForwardRecord(CallRecord(problem_of(b, sink), make_context(source, layer=source)), recorded=False)
+    # the one record and plan made at a backward: no forward of this call was seen (it ran before enable())
+    record = CallRecord(problem_of(b, sink), make_context(source, layer=source))
+    return ForwardRecord(planned(record, b, arg(b, "out", "o"), arg(b, "softmax_lse", "lse")), recorded=False)
 
 
 def live_records() -> int:
@@ -212,7 +233,8 @@ def recording(forward: Callable, signature: inspect.Signature, source_of: Callab
             b = dict(bound.arguments)
             if arg(b, "q") is not None:
                 sink = arg(b, sink_name) if sink_name else None
-                remember(lse, make_call_record(b, source_of(b), sink if isinstance(sink, torch.Tensor) else None))
+                remember(lse, make_call_record(b, source_of(b), sink if isinstance(sink, torch.Tensor) else None,
+                                               result))
         return result
     wrapped.__gproj_patched__ = True
     return wrapped

@@ -100,8 +100,7 @@ _arg = fa_records.arg
 SINK_DTYPE = fa_records.SINK_DTYPE
 
 
-def _to_bhsd(x: torch.Tensor, varlen: bool) -> torch.Tensor:
-    return x.unsqueeze(0).transpose(1, 2) if varlen else x.transpose(1, 2)
+_to_bhsd = fa_records.to_bhsd
 
 
 def _fallback_reason(b: dict) -> Optional[str]:

@@ -2,9 +2,10 @@
 
 Dynamo traces ``_CompiledFlexFunction`` (an autograd Function): its forward is the original flex call (the
 flex higher-order op, lowered by Inductor to the same fused kernel as an unpatched compiled call) plus
-``gproj::flex_context``, an opaque op that makes the call's context at run time (``record.make_context``,
-interned as in ``sdpa_compiled``); its backward is ``gproj::flex_bwd``, an opaque op that routes the backward
-at run time (``router.run_backward``). The original fused backward is unreachable from inside an op: in
+``gproj::flex_context``, an opaque op that makes the call's record and plan at run time (``record.make_context``,
+``plan.make_plan``, from the forward's q, k, v, output, LSE and mask summaries; filed in the runtime state as in
+``sdpa_compiled``); its backward is ``gproj::flex_bwd``, an opaque op that carries the plan out at run time
+(``router.run_backward``). The original fused backward is unreachable from inside an op: in
 ``auto``/``audit`` a policy choice of "original" runs an uncorrected stand-in, with that reason logged.
 
 What is decided at trace time (a non-supported call keeps the original compiled forward *and* backward; its
@@ -24,25 +25,27 @@ reason is logged once per trace, the compiled calls themselves are not counted):
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import telemetry
+from ..backends.compat import assume_constant_result, flex_identity_score_mod
 from ..config import Config
-from ..record import CallRecord, make_context
-from ..router import kernel_reason
-from .flex import OWN_FORWARD, SOURCE, Caller, problem_for, routed_backward, unsupported_reason
+from ..plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
+from ..record import CallRecord, Context, make_context
+from ..state import STATE
+from .flex_call import OWN_FORWARD, SOURCE, Caller, problem_for, routed_backward, unsupported_reason
 from .flex_masks import (INCONSISTENT, NO_MASK, BlockMaps, BlockStructure, MaskVerdict, Rows, classify,
                          evaluate_chunk, grid, structure_reason)
-from .sdpa_compiled import _CONTEXTS, _intern
 
 STAND_IN_REASON = "flex under torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in"
 MAX_COMPILED_MASK_ELEMENTS = 1 << 28  # b·h·Sq·Sk mask_mod evaluations in one compiled forward
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _note_trace_reason(reason: str) -> bool:
     """Log (once) and count a pass-through decided while tracing, unless it is the hook's own forward (a compiled
     flex the eager hook calls: ``flex.OWN_FORWARD``; read here, at trace time, so that no guard depends on it)."""
@@ -51,7 +54,7 @@ def _note_trace_reason(reason: str) -> bool:
     return True
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _mask_grid(code: types.CodeType, block_batch: int, block_heads: int, batch: int, heads: int) -> Tuple[int, int]:
     """``flex_masks.grid`` at trace time (bytecode inspection is not traceable)."""
     return grid(code, block_batch, block_heads, batch, heads)
@@ -67,15 +70,54 @@ def _mask_summary(block_mask, batch: int, heads: int, sq: int, sk: int, device):
     return rows.lo, rows.hi, rows.cnt, bad
 
 
+def _verdict(q, k, lo, hi, cnt, violation) -> MaskVerdict:
+    """The call's mask as the backends take it, from the forward's in-graph summaries (``flex_masks.classify``):
+    a pure function of forward data, evaluated by both ops."""
+    if lo is None:
+        return NO_MASK
+    if bool(violation):
+        return MaskVerdict(reason=INCONSISTENT)
+    return classify(Rows(lo, hi, cnt), None, q.shape[0], q.shape[2], k.shape[2])
+
+
+@dataclass(frozen=True)
+class FlexCompiledCall:
+    """What the forward op ``gproj::flex_context`` files for the backward op (no tensors): the call's context
+    and plan, whether the uncorrected stand-in of an ``original`` plan can run on the kernel, and the mask's
+    reason when it has no exact form (raised by the backward, as before plans existed)."""
+    context: Context
+    plan: Optional[BackwardPlan]
+    stand_in_kernel: bool
+    mask_error: Optional[str] = None
+
+
 @torch.library.custom_op("gproj::flex_context", mutates_args=())
-def _flex_context(layer: str, mode: str) -> Tensor:
+def _flex_context(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lo: Optional[Tensor],
+                  hi: Optional[Tensor], cnt: Optional[Tensor], violation: Optional[Tensor], scale: Optional[float],
+                  softcap: float, layer: str, mode: str) -> Tensor:
+    """The call's record and plan, made at the forward (at run time: never a graph constant or a guard)."""
     from .. import config
     cfg = config.active() or config.resolve(mode=mode)
-    return torch.tensor([_intern(make_context(SOURCE, layer or None, cfg))], dtype=torch.int64)
+    context = make_context(SOURCE, layer or None, cfg)
+    verdict = _verdict(q, k, lo, hi, cnt, violation)
+    if verdict.reason is not None:
+        return _filed(FlexCompiledCall(context, None, False, mask_error=verdict.reason))
+    record = CallRecord(problem_for(verdict, softcap, scale, q.shape[-1]), context)
+    tensors = ForwardTensors(q, k, v, out, lse if lse.numel() else None)
+    packed = record.problem.cu_seqlens_q is not None and q.shape[0] > 1
+    # packed documents: the stand-in would need the packing too, so there is no "original" (the policy falls to FP32)
+    record = make_plan(record, tensors, has_original=not packed)
+    stand_in_kernel = (record.plan.tier == "original"
+                       and kernel_reason(tensors, record.problem, cpu_kernel=context.cpu_kernel) is None)
+    return _filed(FlexCompiledCall(context, record.plan, stand_in_kernel))
+
+
+def _filed(call: FlexCompiledCall) -> Tensor:
+    return torch.tensor([STATE.file_compiled_call(call)], dtype=torch.int64)
 
 
 @_flex_context.register_fake
-def _(layer, mode):
+def _(q, k, v, out, lse, lo, hi, cnt, violation, scale, softcap, layer, mode):
     return torch.empty(1, dtype=torch.int64, device="cpu")
 
 
@@ -83,30 +125,26 @@ def _(layer, mode):
 def _flex_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Tensor,
               lo: Optional[Tensor], hi: Optional[Tensor], cnt: Optional[Tensor], violation: Optional[Tensor],
               scale: Optional[float], softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
-    context = _CONTEXTS[int(aux[0])]
-    verdict = NO_MASK
-    if lo is not None:
-        verdict = MaskVerdict(reason=INCONSISTENT) if bool(violation) else \
-            classify(Rows(lo, hi, cnt), None, q.shape[0], q.shape[2], k.shape[2])
-    if verdict.reason is not None:
-        raise RuntimeError(f"gproj flex backward: the mask checked at run time has no exact form ({verdict.reason}); "
-                           "disable the patch for this call or use the eager flex_attention")
-    record = CallRecord(problem_for(verdict, softcap, scale, q.shape[-1]), context)
+    call = STATE.compiled_call(int(aux[0]))
+    if call.mask_error is not None:
+        raise RuntimeError(f"gproj flex backward: the mask checked at run time has no exact form "
+                           f"({call.mask_error}); disable the patch for this call or use the eager flex_attention")
+    problem = problem_for(_verdict(q, k, lo, hi, cnt, violation), softcap, scale, q.shape[-1])
+    record = CallRecord(problem, call.context, call.plan)
     lse_or_none = lse if lse.numel() else None
 
     def stand_in():
-        from ..router import BackwardTensors
         p = record.problem
-        if kernel_reason(BackwardTensors(do, q, k, v, out, lse_or_none), p) is None:
+        if call.stand_in_kernel:
             from ..backends.triton_bwd import gproj_backward
             return gproj_backward(do, q, k, v, out, lse_or_none, scale=p.scale, correct=False,
                                   max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k, **p.flags)
         from ..backends.fp32_tier import fp32_backward
         return fp32_backward(q, k, v, do, attn_mask=p.attn_mask, project=False, scale=p.scale, check_finite=False,
                              **p.flags)
-    if record.problem.cu_seqlens_q is not None and q.shape[0] > 1:
-        stand_in = None  # packed documents: the stand-in would need the packing too; the policy falls to FP32
-    dq, dk, dv = routed_backward(record, do, q, k, v, out, lse_or_none, stand_in, stand_in_reason=STAND_IN_REASON)
+    packed = problem.cu_seqlens_q is not None and q.shape[0] > 1
+    dq, dk, dv = routed_backward(record, do, q, k, v, out, lse_or_none, None if packed else stand_in,
+                                 stand_in_reason=STAND_IN_REASON)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -129,9 +167,9 @@ class _CompiledFlexFunction(torch.autograd.Function):
         else:
             out = forward_fn(q.detach(), k.detach(), v.detach(), **kwargs)
             lse = q.new_empty((0,), dtype=torch.float32)
-        aux = _flex_context(layer, mode)
         summary = (None,) * 4 if block_mask is None else \
             _mask_summary(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
+        aux = _flex_context(q, k, v, out, lse, *summary, scale, softcap, layer, mode)
         ctx.save_for_backward(q, k, v, out, lse, aux, *summary)
         ctx.args = (scale, softcap)
         return out
@@ -145,8 +183,7 @@ class _CompiledFlexFunction(torch.autograd.Function):
 
 def _compiled_reason(q, k, score_mod, block_mask, declared_softcap) -> Optional[str]:
     """Why a call inside a compiled region passes through (trace-time decision; module docstring)."""
-    from torch.nn.attention.flex_attention import _identity
-    if declared_softcap is None and score_mod is not None and score_mod is not _identity:
+    if declared_softcap is None and score_mod is not None and score_mod is not flex_identity_score_mod():
         return "flex under torch.compile: score_mod is not readable inside the compiled region"
     if block_mask is None:
         return None

@@ -33,6 +33,7 @@ from torch import Tensor
 from .. import telemetry
 from ..backends.spec import LOW_PRECISION
 from ..layer_context import backward_ran
+from ..plan import ForwardTensors, make_plan
 from ..record import CallRecord, Problem, make_context
 from ..router import BackwardTensors, run_backward
 from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
@@ -115,18 +116,6 @@ def problem_for(call: EagerCall, sq: int, sk: int) -> Tuple[Problem, Optional[Te
     return Problem(attn_mask=call.mask, padded=True, **base), pattern
 
 
-def _kernel_wanted(record: CallRecord, q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> bool:
-    """Whether the router may run the kernel (the only tier that needs an LSE and output)."""
-    ctx = record.context
-    if ctx.mode == "fp32" or ctx.tier_option == "fp32" or problem.attn_mask is not None:
-        return False
-    try:
-        from ..backends.triton_bwd import kernel_unsupported_reason
-    except ImportError:
-        return False
-    return kernel_unsupported_reason(q, k, v, softcap=problem.softcap, sink=problem.sink) is None
-
-
 def _lse_and_output(q, k, v, problem: Problem):
     from ..backends.fp32_tier import fp32_forward
     extra = {} if problem.sink is None else {"sink": problem.sink}
@@ -144,25 +133,29 @@ def route(record: CallRecord, pattern: Optional[Tensor], *, do: Tensor, q: Tenso
             window, dead = flags
             problem = Problem(scale=problem.scale, causal=True, window=window, softcap=problem.softcap,
                               sink=problem.sink)
-            return _routed(CallRecord(problem, record.context), do, q, k, v, dead, original)
+            return _routed(CallRecord(problem, record.context, record.plan), do, q, k, v, dead, original)
         pad = padding_as_varlen(pattern, do, q.shape[2], k.shape[2],
                                 empty_rows_inert=_empty_rows_inert(problem.attn_mask, problem.sink))
     if pad is None:
+        if problem.padded:  # the mask stayed a dense tensor: the plan made for that case
+            record = CallRecord(problem, record.context, record.plan.dense)
         return _routed(record, do, q, k, v, None, original)
     tensors, packed = packed_call(pad, problem, do=do, q=q, k=k, v=v, out=None, lse=None)
     packed_original = None
     if original is not None:
         def packed_original():
             return tuple(pad.pack(g) if i < 3 else g for i, g in enumerate(original()))
-    grads = _routed(CallRecord(packed, record.context), tensors.do, tensors.q, tensors.k, tensors.v,
+    grads = _routed(CallRecord(packed, record.context, record.plan), tensors.do, tensors.q, tensors.k, tensors.v,
                     pad.dead_rows, packed_original)
     return unpack_grads(pad, grads)
 
 
 def _routed(record: CallRecord, do, q, k, v, dead, original):
     out, lse = None, None
-    if _kernel_wanted(record, q, k, v, record.problem):
-        out, lse = _lse_and_output(q, k, v, record.problem)
+    plan = record.plan
+    if (plan.tier == "gproj" or (plan.tier == "fp32" and plan.fp32_kernel is not None)
+            or (record.context.mode == "audit" and plan.fp32_kernel is not None)):
+        out, lse = _lse_and_output(q, k, v, record.problem)  # the kernel forms take them: planned so
     return run_backward(record, BackwardTensors(do, q, k, v, out, lse, dead_rows=dead), original)
 
 
@@ -190,7 +183,10 @@ class _EagerFunction(torch.autograd.Function):
         with torch.no_grad():
             out, weights = call.fn(q.detach(), k.detach(), v.detach(), None if sink is None else sink.detach())
         ctx.set_materialize_grads(False)
-        ctx.call, ctx.record, ctx.pattern = call, record, pattern
+        # planned as if output and LSE were there: the backward recomputes both in FP32 where the plan runs a
+        # kernel form (this forward has no LSE)
+        ctx.record = make_plan(record, ForwardTensors(q, k, v, None, None, recomputed_lse=True), has_original=True)
+        ctx.call, ctx.pattern = call, pattern
         ctx.save_for_backward(q, k, v, sink)
         return out, weights
 

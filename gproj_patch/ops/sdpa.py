@@ -7,7 +7,8 @@ padding, mask handling): the output is the unpatched output, bit for bit. The LS
 that call created (``compat.fused_sdpa_lse``). That inner graph is dropped at once, except in ``auto``/``audit``,
 where ``torch.autograd.grad`` on it *is* the original backward when the policy picks it.
 
-The call's record (``record.py``) is made here, at the forward; the backward hands it to the router.
+The call's record (``record.py``) and its backward plan (``plan.py``) are made here, at the forward; the backward
+hands them to the router, which carries the plan out.
 
 Everything that cannot be corrected exactly runs the original function untouched (reason counted): tensor
 subclasses (DTensor, nested, FakeTensor, ...), dropout > 0 (a fused kernel's dropout mask cannot be replayed by
@@ -16,98 +17,33 @@ with ``is_causal``.
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, Optional, Tuple
+from typing import Optional
 
 import torch
-from torch import Tensor
 
 from .. import config as _config, policy, telemetry
-from ..backends.compat import fused_sdpa_lse
-from ..backends.spec import LOW_PRECISION, default_scale
+from ..backends.spec import LOW_PRECISION
 from ..config import POLICY_MODES, Config
-from ..record import CallRecord, Problem, make_context
 from ..layer_context import backward_ran, traced_layer
-from ..router import BackwardTensors, graph_backward, run_backward
-from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
+from ..plan import ForwardTensors, make_plan
+from ..record import CallRecord, make_context
+from ..router import graph_backward, run_backward
+from .masks import packed_call, padding_as_varlen, unpack_grads
+from .sdpa_call import (C_SDPA, backward_tensors, original_sdpa, problem_for, run_original_with_lse,  # noqa: F401
+                        set_original)
+from .sdpa_compiled import compiled_sdpa
 
-C_SDPA = torch._C._nn.scaled_dot_product_attention
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-class _Original:
-    """The SDPA function the hook replaced (``integrations/sdpa.py`` sets it while installed)."""
-    fn: Callable = C_SDPA
-
-
-def original_sdpa() -> Callable:
-    return _Original.fn
-
-
-def set_original(fn: Optional[Callable]) -> None:
-    _Original.fn = C_SDPA if fn is None else fn
-
-
-_detach_pack = torch.Tensor.detach  # the saved-tensor pack hook (a C method: no Python frame per saved tensor)
-
-
-def _identity_unpack(t: Tensor) -> Tensor:
-    return t
-
-
-def run_original_with_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa):
-    """(inner output with its graph, lse or None, (qi, ki, vi)): the original SDPA on aliases that require grad.
-
-    Saved-tensor hooks: under activation checkpointing the inner node's saved tensors would be packed by the
-    checkpoint, and reading its LSE would re-run the checkpointed block; these hooks keep them. The pack hook
-    stores a *detached* alias: storing the tensor itself would put an output inside its own grad_fn, a reference
-    cycle through C++ that Python's collector cannot see (every call's tensors would leak)."""
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_detach_pack, _identity_unpack):
-        qi, ki, vi = q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()
-        inner = _Original.fn(qi, ki, vi, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
-                             enable_gqa=enable_gqa)
-    return inner, fused_sdpa_lse(inner.grad_fn), (qi, ki, vi)
-
-
-def problem_for(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float]) -> Problem:
-    """The call's problem: a mask that is exactly a causal / window pattern becomes flags (at the forward)."""
-    mask, causal, align, window = mask_as_flags(attn_mask, q.shape[2], k.shape[2])
-    if is_causal:
-        causal, align = True, "top_left"
-    scale = default_scale(q.shape[-1], scale)
-    if mask is None and type(scale) is float:  # (a symbolic scale under tracing is built, not interned)
-        return _flags_problem(scale, causal, align, window)
-    return Problem(scale=scale, causal=causal, causal_align=align, window=window, attn_mask=mask,
-                   padded=mask is not None)
-
-
-@functools.lru_cache(maxsize=256)
-def _flags_problem(scale: float, causal: bool, align: str, window: Tuple[int, int]) -> Problem:
-    """The Problem of a call without a mask tensor, one frozen instance per (scale, flags): pure (immutable
-    key, immutable value, no tensor), so calls share it instead of building 14 fields each time."""
-    return Problem(scale=scale, causal=causal, causal_align=align, window=window)
-
-
-def backward_tensors(record: CallRecord, do, q, k, v, out, lse):
-    """(tensors, problem) for the router: a recorded mask that is right padding around causal flags, with zero
-    dO on the padded rows, goes to the kernel as flags plus dead rows (exact)."""
-    problem, dead = record.problem, None
-    if problem.padded:
-        padded = padding_as_flags(problem.attn_mask, do, q.shape[2], k.shape[2])
-        if padded is not None:
-            window, dead = padded
-            problem = Problem(scale=problem.scale, causal=True, causal_align="top_left", window=window)
-            record = CallRecord(problem, record.context)
-    return BackwardTensors(do, q, k, v, out, lse, dead_rows=dead), record
 
 
 class _SdpaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, record: CallRecord, is_causal: bool, scale, enable_gqa: bool):
         inner, lse, aliases = run_original_with_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa)
-        ctx.record = record
-        ctx.inner = (inner, aliases) if record.context.mode in POLICY_MODES else None
+        keep_original = record.context.mode in POLICY_MODES
         out = inner.detach()
+        ctx.record = make_plan(record, ForwardTensors(q, k, v, out, lse), has_original=keep_original)
+        ctx.inner = (inner, aliases) if keep_original and ctx.record.plan.tier == "original" else None
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -128,11 +64,14 @@ def _backward(ctx, do):
     if record.problem.padded:  # not right padding: maybe left padding, as varlen segments (exact)
         pad = padding_as_varlen(record.problem.attn_mask, do, q.shape[2], k.shape[2], empty_rows_inert=True)
     if pad is None:
+        if record.problem.padded:  # the mask stayed a dense tensor: the plan made for that case
+            record = CallRecord(record.problem, record.context, record.plan.dense)
         grads = run_backward(record, tensors, original)
     else:
         tensors, packed = packed_call(pad, record.problem, do=do, q=q, k=k, v=v, out=out, lse=lse)
         packed_original = None if original is None else (lambda: tuple(pad.pack(g) for g in original()))
-        grads = unpack_grads(pad, run_backward(CallRecord(packed, record.context), tensors, packed_original))
+        grads = unpack_grads(pad, run_backward(CallRecord(packed, record.context, record.plan), tensors,
+                                               packed_original))
     ctx.inner = None
     return grads[0], grads[1], grads[2], None, None, None, None, None
 
@@ -197,7 +136,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     the policy when no ``layer_scope`` is open (else ``call{n}``); ``source`` labels its reasons and shape class
     (HF's ``"gproj"`` attention: ``"hf_gproj"``)."""
     cfg = _config.active() or cfg or Config()
-    orig = _Original.fn
+    orig = original_sdpa()
     mode = cfg.mode
     if query.dtype == torch.float32 and mode != "off" and torch.is_grad_enabled() and type(query) in _PLAIN:
         low = _autocast_dtype(query.device.type)
@@ -214,7 +153,6 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
     if compiling:
-        from .sdpa_compiled import compiled_sdpa
         return compiled_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, cfg=cfg,
                              layer=traced_layer() or layer)  # the traced module's name: a graph constant
     if k_heads_mismatch(query, key, enable_gqa):

@@ -1,43 +1,50 @@
 """The SDPA hook under ``torch.compile``: custom ops ``gproj::sdpa_fwd`` / ``gproj::sdpa_bwd``, opaque to Dynamo.
 
-Inside ``sdpa_fwd`` the output is the original SDPA under ``no_grad`` (same bits) and the call's context is made
-(``record.make_context``, at the forward, at run time) and interned: its index travels to the backward in the
-``aux`` output, with the problem's scalars as op arguments and the mask as an op input, so the backward reads
-only what the forward recorded. No autograd node is reachable inside a custom op, so on CUDA the LSE is
+Inside ``sdpa_fwd`` the output is the original SDPA under ``no_grad`` (same bits), and the call's record and
+plan are made (``record.make_context``, ``plan.make_plan``: at the forward, at run time, so never a graph
+constant or a Dynamo guard) and filed in the runtime state (``STATE.file_compiled_call``, bounded, no tensors):
+the call number travels to the backward in the ``aux`` output and the mask as an op input, so the backward reads
+only what the forward recorded and planned. No autograd node is reachable inside a custom op, so on CUDA the LSE is
 recomputed: by the Triton LSE kernel (``triton_bwd.attention_lse``, a forward without V) without a mask, else by
 a chunked FP32 pass. In ``auto``/``audit`` a policy choice of "original" runs an uncorrected stand-in (the real
 fused backward is unreachable from inside the op), with that reason logged.
 """
 from __future__ import annotations
 
-import threading
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..backends.spec import default_scale
 from ..config import Config
-from ..record import CallRecord, Context, make_context
-from ..router import kernel_reason, run_backward
+from ..plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
+from ..record import CallRecord, Context, Problem, make_context
+from ..router import run_backward
+from ..state import STATE
 from .masks import mask_as_flags
-from .sdpa import backward_tensors, original_sdpa, problem_for
+from .sdpa_call import backward_tensors, original_sdpa, problem_for
 
 STAND_IN_REASON = "torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in"
 _CHUNK_ROWS = 256
 
-_lock = threading.Lock()
-_CONTEXTS: List[Context] = []          # interned: one entry per distinct context (layers × options), bounded
-_CONTEXT_INDEX: Dict[Context, int] = {}
 
 
-def _intern(ctx: Context) -> int:
-    with _lock:
-        idx = _CONTEXT_INDEX.get(ctx)
-        if idx is None:
-            idx = _CONTEXT_INDEX[ctx] = len(_CONTEXTS)
-            _CONTEXTS.append(ctx)
-        return idx
+@dataclass(frozen=True)
+class CompiledCall:
+    """What a compiled forward op leaves for its backward op (filed in ``STATE.compiled_calls``; no tensors):
+    the call's context and plan, and whether the uncorrected stand-in of an ``original`` plan can run on the
+    kernel (decided with the plan, at the forward)."""
+    problem: Problem            # without its mask tensor (the backward op gets the mask as an input)
+    context: Context
+    plan: BackwardPlan
+    stand_in_kernel: bool
+
+    def record(self, attn_mask: Optional[Tensor]) -> CallRecord:
+        problem = self.problem if self.problem.attn_mask is None and not self.problem.padded else \
+            replace(self.problem, attn_mask=attn_mask)
+        return CallRecord(problem, self.context, self.plan)
 
 
 def lse_fp32(q, k, attn_mask, is_causal, scale, chunk: int = _CHUNK_ROWS) -> Tensor:
@@ -93,8 +100,20 @@ def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_c
         lse = q.new_empty((0,), dtype=torch.float32)
     from .. import config
     cfg = config.active() or config.resolve(mode=mode)
-    aux = torch.tensor([_intern(make_context("sdpa", layer or None, cfg))], dtype=torch.int64)
+    aux = torch.tensor([_plan_call(q, k, v, out, lse, attn_mask, is_causal, scale, layer, cfg)], dtype=torch.int64)
     return _in_query_layout(out, q, v), lse, aux
+
+
+def _plan_call(q, k, v, out, lse, attn_mask, is_causal, scale, layer: str, cfg: Config) -> int:
+    """The call's record and plan, made at the forward (inside the op, at run time: never a graph constant or
+    a Dynamo guard) and filed for the backward op; returns the call number."""
+    record = CallRecord(problem_for(q, k, attn_mask, is_causal, scale), make_context("sdpa", layer or None, cfg))
+    tensors = ForwardTensors(q, k, v, out, lse if lse.numel() else None)
+    record = make_plan(record, tensors, has_original=True)  # "original": the uncorrected stand-in
+    stand_in_kernel = (record.plan.tier == "original"
+                       and kernel_reason(tensors, record.problem, cpu_kernel=record.context.cpu_kernel) is None)
+    problem = replace(record.problem, attn_mask=None) if record.problem.attn_mask is not None else record.problem
+    return STATE.file_compiled_call(CompiledCall(problem, record.context, record.plan, stand_in_kernel))
 
 
 def _in_query_layout(out: Tensor, q: Tensor, v: Tensor) -> Tensor:
@@ -117,13 +136,14 @@ def _(q, k, v, attn_mask, is_causal, scale, enable_gqa, layer, mode):
 @torch.library.custom_op("gproj::sdpa_bwd", mutates_args=())
 def _sdpa_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor],
               aux: Tensor, is_causal: bool, scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
-    context = _CONTEXTS[int(aux[0])]
-    record = CallRecord(problem_for(q, k, attn_mask, is_causal, scale), context)
-    tensors, record = backward_tensors(record, do, q, k, v, out, lse if lse.numel() else None)
+    call = STATE.compiled_call(int(aux[0]))
+    tensors, record = backward_tensors(call.record(attn_mask), do, q, k, v, out, lse if lse.numel() else None)
+    if record.problem.padded:  # the mask stayed a dense tensor: the plan made for that case
+        record = CallRecord(record.problem, record.context, record.plan.dense)
 
     def stand_in():
         p = record.problem
-        if kernel_reason(tensors, p) is None:
+        if call.stand_in_kernel and not p.padded:
             from ..backends.triton_bwd import gproj_backward
             return gproj_backward(tensors.do, q, k, v, out, tensors.lse, scale=p.scale, correct=False, **p.flags)
         from ..backends.fp32_tier import fp32_backward

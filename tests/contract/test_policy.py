@@ -214,7 +214,7 @@ def test_options_from_enable_and_environment_apply(monkeypatch):
     policy.reset(keep_config=False)
     assert policy.config().sample_every == 9
     cfg = patch_config.resolve(mode="auto", sample_every=4, gproj_enter=0.03)
-    monkeypatch.setattr(patch_config, "_active", cfg)
+    monkeypatch.setattr(patch_config.ACTIVE, "config", cfg)
     assert policy.config().sample_every == 4 and policy.config().gproj_enter == 0.03
     policy.configure(sample_every=2)
     assert policy.config().sample_every == 2 and policy.config().gproj_enter == 0.03

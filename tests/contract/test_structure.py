@@ -1,6 +1,6 @@
-"""The package's shape: backends/ is pure numerics, no import cycles, ARCHITECTURE.md names every module, every
-private upstream touch-point works on the installed versions (issue 9.2, 9.4, 9.6)."""
-import ast
+"""The package's shape: ARCHITECTURE.md names every module, and every private upstream touch-point works on the
+installed versions (issue 9.2, 9.6). The import rules (backends/ pure numerics, no cycle at any level, no upward
+import) and the other structure rules of issue 20 are in ``test_rules.py``."""
 
 import pytest
 import torch
@@ -15,59 +15,6 @@ def _modules():
         rel = path.relative_to(ROOT).with_suffix("")
         name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
         yield name, path
-
-
-def _imported(name, path, node):
-    """Package modules one import statement of module ``name`` names (absolute)."""
-    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    if isinstance(node, ast.ImportFrom):
-        if node.level:
-            base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-            mod = ".".join(base + ([node.module] if node.module else []))
-        else:
-            mod = node.module or ""
-        names = {mod} | {f"{mod}.{a.name}" for a in node.names}
-    elif isinstance(node, ast.Import):
-        names = {a.name for a in node.names}
-    else:
-        return set()
-    return names & KNOWN
-
-
-KNOWN = {n for n, _ in _modules()}
-
-
-def _imports(name, path, top_level_only=False):
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else ast.walk(tree)
-    return set().union(*(_imported(name, path, n) for n in nodes)) - {name}
-
-
-def test_backends_import_nothing_outside_backends():
-    for name, path in _modules():
-        if name.startswith("gproj_patch.backends"):
-            bad = {m for m in _imports(name, path) if not m.startswith("gproj_patch.backends")}
-            assert not bad, f"{name} imports {bad}"
-
-
-def test_no_import_cycles_at_module_level():
-    """Module-level imports form no cycle (imports inside functions run later and cannot deadlock an import)."""
-    graph = {name: {m for m in _imports(name, path, top_level_only=True) if not name.startswith(m + ".")}
-             for name, path in _modules()}
-    done, stack = set(), []
-
-    def visit(n):
-        if n in stack:
-            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
-        if n in done:
-            return
-        stack.append(n)
-        for m in graph.get(n, ()):
-            visit(m)
-        stack.pop()
-        done.add(n)
-    for n in graph:
-        visit(n)
 
 
 def test_architecture_names_every_module():

@@ -10,4 +10,5 @@
   ``benchmarks/device_check.py`` and ``benchmarks/gluon_check.py``.
 * ``fa4_standin``: a CPU stand-in for flash-attn-4's ``flash_attn.cute.interface``.
 * ``launch_mismatch``: what the GProj kernel's two separate dP products do to dk.
+* ``switches``: the CPU kernel switch (TRITON_INTERPRET / GPROJ_TIER), resolved at ``enable()``.
 """

@@ -228,7 +228,7 @@ def test_scan_runs_no_module_code(monkeypatch):
 
 
 def test_patched_modules_logged_once(monkeypatch, caplog):
-    monkeypatch.setattr(sdpa_hook, "_last_report", ())  # an earlier test may have logged the same list
+    monkeypatch.setattr(sdpa_hook.INSTALLED, "last_report", ())  # an earlier test may have logged the same list
     _user_module(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="gproj_patch"):
         for _ in range(3):

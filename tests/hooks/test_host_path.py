@@ -1,9 +1,8 @@
 """The per-call host path of the SDPA hook (issue 11.2): what it caches cannot give a stale answer.
 
-``router.kernel_reason`` keeps its answers per (device type, dtypes, head dims, B·H) in the runtime state, on
-``router.CACHED_DEVICES`` only (CUDA: on CPU the kernel predicate also reads the interpreter's environment at
-each call). Here the cache is turned on for CPU tensors under ``TRITON_INTERPRET=1`` (where the predicate's
-answer then depends on the same inputs: fp16 runs the interpreted kernel, bf16 is refused) and the backend
+``plan.kernel_reason`` keeps its answers per (device type, CPU kernel switch, dtypes, head dims, B·H) in the
+runtime state; the switch (``TRITON_INTERPRET=1`` here) is resolved at ``enable()`` and recorded in each call's
+context, so the answer depends on nothing else (fp16 runs the interpreted kernel, bf16 is refused). The backend
 compute is replaced by zero gradients: the tests are about which tier each call gets and what ``stats()``
 counts, call after call, as dtype, head dim, B·H, causal, mode and ``enable()`` options change in between.
 ``ops/sdpa.problem_for`` shares one frozen ``Problem`` per (scale, flags) among calls without a mask tensor.
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import gproj_patch
-from gproj_patch import router
+from gproj_patch import plan as plan_mod, router
 from gproj_patch.backends import triton_bwd
 from gproj_patch.ops import sdpa as sdpa_op
 from gproj_patch.state import STATE
@@ -30,11 +29,10 @@ def cached_cpu(monkeypatch):
     """Kernel tier choosable on CPU, kernel_reason cached for CPU tensors, backend compute stubbed; returns the
     list of (tier, dtype) each backward ran."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # (GPROJ_TIER=triton would also make a refusal an error)
-    monkeypatch.setattr(router, "CACHED_DEVICES", ("cuda", "cpu"))
     ran = []
 
     def stub(tier):
-        def run(t, problem, kv_major_option="auto"):
+        def run(t, problem, kernel_plan):
             ran.append((tier, t.q.dtype, bool(problem.causal)))
             return torch.zeros_like(t.q), torch.zeros_like(t.k), torch.zeros_like(t.v)
         return run
@@ -72,9 +70,9 @@ def test_cached_answers_equal_the_predicate(cached_cpu):
         for D in (1, 64, 256, 257):
             _call(dtype, D=D, S=4)
     assert len(STATE.kernel_reasons) == 8
-    for (device, dtype, _kd, _vd, bh, d, _dk, _dv), reason in STATE.kernel_reasons.items():
+    for (device, cpu_kernel, dtype, _kd, _vd, bh, d, _dk, _dv), reason in STATE.kernel_reasons.items():
         q = torch.zeros(1, bh, 4, d, dtype=dtype, device=device)
-        assert reason == triton_bwd.kernel_unsupported_reason(q, q, q), (dtype, d)
+        assert cpu_kernel and reason == triton_bwd.kernel_unsupported_reason(q, q, q, cpu_kernel=True), (dtype, d)
 
 
 def _enable(**options):
@@ -110,18 +108,21 @@ def test_reset_stats_clears_the_cache(cached_cpu):
     assert not STATE.kernel_reasons
 
 
-def test_cpu_answers_are_not_cached_by_default(monkeypatch):
-    """On CPU the predicate reads the interpreter's environment at each call: never cached, so turning the
-    interpreter off between calls takes effect at once."""
+def test_cpu_switch_is_resolved_at_enable_and_keys_the_cache(monkeypatch):
+    """The CPU kernel switch is an option resolved at ``enable()``, part of the cache key: unsetting
+    TRITON_INTERPRET between calls changes nothing; enabling again with it unset gives the FP32 tier."""
     ran = []
-    monkeypatch.setattr(router, "_run_kernel", lambda t, p, o="auto": ran.append("gproj") or (t.q * 0, t.k * 0, t.v * 0))
-    monkeypatch.setattr(router, "_run_fp32", lambda t, p, o="auto": ran.append("fp32") or (t.q * 0, t.k * 0, t.v * 0))
+    monkeypatch.setattr(router, "_run_kernel", lambda t, p, k: ran.append("gproj") or (t.q * 0, t.k * 0, t.v * 0))
+    monkeypatch.setattr(router, "_run_fp32", lambda t, p, k: ran.append("fp32") or (t.q * 0, t.k * 0, t.v * 0))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gproj_patch.enable(mode="gproj", targets=("sdpa",))
     _call(torch.float16)
     monkeypatch.delenv("TRITON_INTERPRET")
     _call(torch.float16)
-    assert ran == ["gproj", "fp32"] and not STATE.kernel_reasons
+    _enable(mode="gproj")
+    _call(torch.float16)
+    assert ran == ["gproj", "gproj", "fp32"]
+    assert sorted(key[1] for key in STATE.kernel_reasons) == [False, True]
 
 
 def test_threads_count_every_call(cached_cpu):
@@ -168,6 +169,7 @@ def test_lse_in_any_layout_reaches_the_tiers_as_b_h_s(monkeypatch):
     lse = torch.randn(2, 3, 5)
     record = router.CallRecord(sdpa_op.problem_for(q, q, None, False, None),
                                gproj_patch.record.make_context("sdpa", "x", gproj_patch.config.resolve(mode="fp32")))
+    record = plan_mod.make_plan(record, plan_mod.ForwardTensors(q, q, q, q, lse), has_original=False)
     for given in (lse, lse[..., None], torch.cat([lse, torch.zeros(2, 3, 27)], -1), lse.double()):
         router.run_backward(record, router.BackwardTensors(q, q, q, q, q, given))
     assert seen[0] is lse

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gproj_patch
+from tests.helpers.switches import cpu_kernel_on
 from gproj_patch.backends import compat
 from gproj_patch.ops import masks as gp_masks
 from gproj_patch.backends.reference import reference_backward
@@ -175,7 +176,7 @@ def test_mask_as_flags():
 def test_triton_kernel_path_under_interpreter(monkeypatch):
     """fp16 on CPU runs the GProj Triton kernel through Triton's interpreter (the CUDA path's plumbing)."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu_kernel_on(monkeypatch)
     q, k, v, do = _inputs(torch.float16, B=1, H=2, Hkv=1, Sq=16, D=16, offset=4.0)
     F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
     s = gproj_patch.stats()
@@ -255,7 +256,7 @@ def test_right_padding_runs_the_kernel_exactly(monkeypatch, window):
     """Right-padded causal batch whose padded rows carry no gradient: the kernel runs with flags (under the
     Triton interpreter here) and the gradients are those of the masked attention."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu_kernel_on(monkeypatch)
     q, k, v, do = _inputs(torch.float16, B=2, H=2, Sq=12, D=16, offset=4.0)
     mask = _right_padded(window=window)
     do[1, :, 7:] = 0
@@ -345,7 +346,7 @@ def test_empty_inputs_take_the_original_path(shape):
 def test_left_padded_causal_mask_reaches_the_kernel_as_varlen(monkeypatch):
     """HF-style left padding (padded query rows have zero dO, padded keys masked for every live row): the SDPA
     hook hands it to the kernel as varlen segments (exact) instead of the FP32 tier; gradients vs fp64."""
-    monkeypatch.setenv("GPROJ_TIER", "triton")  # the kernel on CPU fp16, through Triton's interpreter
+    cpu_kernel_on(monkeypatch, "GPROJ_TIER", "triton")  # the kernel on CPU fp16, through Triton's interpreter
     B, H, S, D = 2, 2, 24, 16
     pads = [0, 7]
     q, k, v, do = _inputs(torch.float16, B=B, H=H, Sq=S, D=D, offset=32.0)

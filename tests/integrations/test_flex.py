@@ -214,8 +214,10 @@ def test_packed_documents_pass_the_original_backward_through_unchanged():
     q, k, v, do = (torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(4))
     bm = _bm(documents(DOCS), S, S, B=B)
     verdict = flex_masks.analyse(bm.mask_mod, flex_masks.BlockStructure.of(bm), B, H, S, S, "cpu")
-    record = CallRecord(flex_op.problem_for(verdict, 0.0, None, D),
-                        Context(mode="off", tier_option="auto", layer="l", source="flex"))
+    from gproj_patch.plan import ForwardTensors, make_plan
+    record = make_plan(CallRecord(flex_op.problem_for(verdict, 0.0, None, D),
+                                  Context(mode="off", tier_option="auto", layer="l", source="flex")),
+                       ForwardTensors(q, k, v, None, None), has_original=True)
     own = tuple(torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(3))
     got = flex_op.routed_backward(record, do, q, k, v, torch.zeros_like(q), None, lambda: own)
     assert all(torch.equal(a, b) for a, b in zip(got, own))
@@ -444,7 +446,8 @@ def test_hf_score_mod_closure_recognised():
     """HF's own score_mod closure (its code object, with cells as HF fills them) is read exactly."""
     import types
     hf_flex = pytest.importorskip("transformers.integrations.flex_attention")
-    code = flex_op._hf_score_mod_code()
+    from gproj_patch.ops import flex_call
+    code = flex_call._hf_score_mod_code()
     assert code is not None and set(code.co_freevars) == {"softcap", "score_mask", "position_bias"}
 
     def closure(**cells):

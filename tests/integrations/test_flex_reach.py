@@ -164,7 +164,7 @@ def test_swap_refused_names_the_bindings_it_leaves(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "user_model_foreign", early)
     assert flex_reach.swap_reason(foreign) is not None and flex_reach.swap_reason(original) is None
     caplog.set_level(logging.WARNING, logger="gproj_patch")
-    hook._last_report = None
+    hook.INSTALLED.last_report = None
     for _ in range(2):
         handle = gproj_patch.enable(targets=("flex",))
         assert "user_model_foreign.flex_attention" in handle.installed["flex"]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import gproj_patch
+from tests.helpers.switches import cpu_kernel_on
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.audit.cases import witness_parameters
 from gproj_patch.integrations import hf_eager
@@ -196,7 +197,7 @@ def test_fp32_tier_bf16_matches_fp64_and_forward_is_unchanged(padded):
 @pytest.mark.parametrize("pads", [(0, 0), (0, 13)])
 def test_kernel_fp16_in_the_interpreter(monkeypatch, pads):
     pytest.importorskip("triton")
-    monkeypatch.setenv("GPROJ_TIER", "triton")
+    cpu_kernel_on(monkeypatch, "GPROJ_TIER", "triton")
     q, k, v, do = make(torch.float16, seed=1)
     do[1, : pads[1]] = 0
     pattern = causal(pads)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import gproj_patch
+from tests.helpers.switches import cpu_kernel_on
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.ops import attention_sink
 from tests.helpers.memory import flat as _flat
@@ -126,7 +127,7 @@ def test_sink_fp32_tier_bf16_matches_fp64(pads):
 @pytest.mark.parametrize("pads", [(0, 0), (0, 11)])
 def test_sink_kernel_fp16_in_the_interpreter(monkeypatch, pads):
     pytest.importorskip("triton")
-    monkeypatch.setenv("GPROJ_TIER", "triton")
+    cpu_kernel_on(monkeypatch, "GPROJ_TIER", "triton")
     q, k, v, do, sink = make(torch.float16, seed=2)
     do[1, : pads[1]] = 0
     mask, pattern = _pattern_args(pads)
@@ -189,7 +190,7 @@ def test_softcap_fp32_tier_bf16_matches_fp64_and_eager_forward():
 
 def test_softcap_kernel_fp16_in_the_interpreter(monkeypatch):
     pytest.importorskip("triton")
-    monkeypatch.setenv("GPROJ_TIER", "triton")
+    cpu_kernel_on(monkeypatch, "GPROJ_TIER", "triton")
     q, k, v, do, _ = make(torch.float16, seed=6)
     module = _gemma2_attention().to(torch.float16)
     _, got = _grads(lambda: gproj_attention_forward(module, q, k, v, None, scaling=D ** -0.5,

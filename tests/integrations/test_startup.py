@@ -126,7 +126,7 @@ LOG_SCRIPT = """
 import logging
 {setup}
 import torch, gproj_patch
-gproj_patch.enable(mode="gproj", targets="sdpa")
+gproj_patch.enable(mode="gproj", targets="sdpa", log_level="INFO")  # INFO: the CPU fp32-tier line is INFO
 gproj_patch.enable(mode="fp32")  # already enabled: a warning
 q, k, v = (torch.randn(1, 2, 8, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 torch.nn.functional.scaled_dot_product_attention(q, k, v).float().sum().backward()  # CPU: an fp32-tier fallback

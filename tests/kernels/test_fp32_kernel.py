@@ -28,7 +28,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import gproj_patch  # noqa: E402
-from gproj_patch import router  # noqa: E402
+from gproj_patch import plan, router  # noqa: E402,F401
 from gproj_patch.backends import fp32_tier, triton_bwd  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward, kernel_unsupported_reason  # noqa: E402
@@ -119,18 +119,21 @@ def test_learnable_sink_takes_the_chunked_tier():
     assert rel(kernel_form[0], ref[0]) > FP32_KERNEL_BOUND
     for gname, x, r in zip(("dq", "dk", "dv", "dsink"), chunked, ref):
         assert rel(x, r) <= FP32_KERNEL_BOUND, (gname, rel(x, r))
-    t = router.BackwardTensors(inp.do, inp.q, inp.k, inp.v, o, lse)
-    assert router.kernel_reason(t, Problem(scale=inp.q.shape[-1] ** -0.5), fp32=True) is None
-    assert "sink" in router.kernel_reason(t, Problem(scale=inp.q.shape[-1] ** -0.5, sink=sink), fp32=True)
+    t = plan.ForwardTensors(inp.q, inp.k, inp.v, o, lse)
+    assert plan.kernel_reason(t, Problem(scale=inp.q.shape[-1] ** -0.5), cpu_kernel=True, fp32=True) is None
+    assert "sink" in plan.kernel_reason(t, Problem(scale=inp.q.shape[-1] ** -0.5, sink=sink), cpu_kernel=True,
+                                        fp32=True)
 
 
 def test_predicate_fp32_form():
     q = torch.zeros(1, 2, 8, 16, dtype=torch.float32)
-    assert kernel_unsupported_reason(q, q, q) == "dtype=float32"  # not the low-precision tier
-    assert kernel_unsupported_reason(q, q, q, fp32=True) is None
-    assert kernel_unsupported_reason(q.bfloat16(), q.bfloat16(), q.bfloat16(), fp32=True) is None
-    assert kernel_unsupported_reason(q.double(), q.double(), q.double(), fp32=True) == "dtype=float64"
-    assert kernel_unsupported_reason(q, q, q, fp32=True, attn_mask=torch.ones(8, 8, dtype=torch.bool)) == \
+    assert kernel_unsupported_reason(q, q, q, cpu_kernel=True) == "dtype=float32"  # not the low-precision tier
+    assert kernel_unsupported_reason(q, q, q, fp32=True, cpu_kernel=True) is None
+    assert kernel_unsupported_reason(q.bfloat16(), q.bfloat16(), q.bfloat16(), fp32=True, cpu_kernel=True) is None
+    assert kernel_unsupported_reason(q.double(), q.double(), q.double(), fp32=True, cpu_kernel=True) == \
+        "dtype=float64"
+    assert kernel_unsupported_reason(q, q, q, fp32=True, attn_mask=torch.ones(8, 8, dtype=torch.bool),
+                                     cpu_kernel=True) == \
         "attn_mask"
 
 

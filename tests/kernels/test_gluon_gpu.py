@@ -18,7 +18,7 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the Gluon kernels are sm_90a (Hopper)", allow_module_level=True)
 
 from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
-from gproj_patch.backends.gluon_bwd import gluon_backward, gluon_supported_reason  # noqa: E402
+from gproj_patch.backends.triton_bwd import gluon_backward, gluon_supported_reason  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 
 if gluon_bwd.UNAVAILABLE_REASON is not None:
@@ -123,14 +123,16 @@ def test_uncovered_cases_get_a_reason(name):
 
 def test_sq_not_multiple_of_4_runs_tl_and_is_correct():
     """Sq = 333: the Gluon kernel's TMA of the per-row scratch needs 16-byte aligned rows, so it says why not,
-    ``gproj_backward`` picks the tl kernel on its own, and the gradients are still within the gauge target."""
-    from gproj_patch.backends.gluon_bwd import kv_major_kernel
+    the plan picks the tl kernel, and the gradients are still within the gauge target."""
     from gproj_patch.backends.triton_bwd import gproj_backward
+    from gproj_patch.plan import ForwardTensors, kv_major_choice
+    from gproj_patch.record import Problem
     g = torch.Generator(device="cuda").manual_seed(4)
     q, k, v, do = (torch.randn(1, 2, 333, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
     k = k + 128.0
     assert "Sq=333" in gluon_supported_reason(q, k, v, do=do, causal=True)
-    assert kv_major_kernel(q, k, v, do, causal=True)[0] == "tl"
+    assert kv_major_choice(ForwardTensors(q, k, v, None, None), Problem(scale=128 ** -0.5, causal=True),
+                           "auto")[0] == "tl"
     o, lse = reference_forward(q, k, v, causal=True)
     grads = gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), causal=True)
     assert triton_bwd.LAST_KERNELS["kv_major"] == "tl"

@@ -36,10 +36,11 @@ def test_every_head_dim_has_a_block_d_and_a_config(monkeypatch):
             cfg = triton_bwd.block_config(kind, bd)
             assert len(cfg) == 4 and all(isinstance(x, int) and x > 0 for x in cfg), (d, kind, cfg)
         x = torch.zeros(1, 2, 3, d, dtype=torch.float16)
-        assert triton_bwd.kernel_unsupported_reason(x, x[:, :1], x[:, :1]) is None, d
+        assert triton_bwd.kernel_unsupported_reason(x, x[:, :1], x[:, :1], cpu_kernel=True) is None, d
     assert triton_bwd.block_config("dq", 16) == triton_bwd.CONFIGS["dq"][16]  # its own entry
     big = torch.zeros(1, 1, 3, triton_bwd.MAX_HEAD_DIM + 1, dtype=torch.float16)
-    assert triton_bwd.kernel_unsupported_reason(big, big, big) == f"head_dim={triton_bwd.MAX_HEAD_DIM + 1}"
+    assert triton_bwd.kernel_unsupported_reason(big, big, big, cpu_kernel=True) == \
+        f"head_dim={triton_bwd.MAX_HEAD_DIM + 1}"
 
 
 def test_nearest_config_rule(monkeypatch):

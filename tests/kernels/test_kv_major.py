@@ -8,7 +8,7 @@ import torch
 
 import gproj_patch
 from gproj_patch.backends import gluon_bwd
-from gproj_patch.backends.gluon_bwd import kv_major_kernel, kv_major_reason
+from gproj_patch.backends.gluon_bwd import kv_major_reason
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward
 
@@ -48,9 +48,16 @@ def test_uncovered_inputs_get_a_reason(shape, dtype, fragment):
         assert reason is not None and fragment in reason
 
 
+def _choice(q, k, v, option="auto"):
+    """The plan's KV-major choice for a dense call (``plan.kv_major_choice``, made at the forward)."""
+    from gproj_patch.plan import ForwardTensors, kv_major_choice
+    from gproj_patch.record import Problem
+    return kv_major_choice(ForwardTensors(q, k, v, None, None), Problem(scale=q.shape[-1] ** -0.5), option)
+
+
 def test_kv_major_kernel_prefers_tl_where_gluon_is_not_faster():
     q, k, v, do = _qkv(d=64)
-    name, why = kv_major_kernel(q, k, v, do)
+    name, why = _choice(q, k, v)
     assert name == "tl" and why  # on CPU: the device; on an H200 it would be the head dim
     assert 64 not in gluon_bwd.FASTER_HEAD_DIMS and set(gluon_bwd.FASTER_HEAD_DIMS) <= set(gluon_bwd.GLUON_HEAD_DIMS)
 
@@ -157,8 +164,9 @@ def test_unavailable_gluon_sends_every_call_to_tl(monkeypatch, interpreter):
     the tl kernel with that reason, and asking for Gluon explicitly is a clear error."""
     monkeypatch.setattr(gluon_bwd, "UNAVAILABLE_REASON", "triton 9.9.0: the Gluon kernel was checked against 3.6")
     q, k, v, do = _qkv(dtype=torch.float16)  # fp16 on CPU: the tl kernel's own predicate accepts it here
-    assert kv_major_kernel(q, k, v, do) == ("tl", "triton 9.9.0: the Gluon kernel was checked against 3.6")
-    assert "triton 9.9.0" in gluon_bwd.gluon_supported_reason(q, k, v, do=do)
+    assert _choice(q, k, v) == ("tl", "triton 9.9.0: the Gluon kernel was checked against 3.6")
+    from gproj_patch.backends.triton_bwd import gluon_supported_reason
+    assert "triton 9.9.0" in gluon_supported_reason(q, k, v, do=do)
     o, lse = reference_forward(q, k, v)
     with pytest.raises(ValueError, match="triton 9.9.0"):
         gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="gluon")

@@ -67,9 +67,14 @@ def test_compile_fullgraph_traces_the_op():
     assert torch.equal(eager, compiled)
 
 
-def test_cpu_without_switch_raises(monkeypatch):
-    monkeypatch.delenv("GPROJ_TIER")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_cpu_bf16_is_refused_with_or_without_the_variables(monkeypatch):
+    """The op is an explicit call of the kernel: it runs where the tensors are (CPU fp16 interpreted) and reads
+    no environment; CPU bf16 is refused (the interpreter's bf16 is inexact), with or without GPROJ_TIER."""
     do, q, k, v, o, lse = _inputs(seed=4, S=8)
-    with pytest.raises(ValueError, match="GPROJ_TIER=triton"):
-        ops.attention_backward(do, q, k, v, o, lse)
+    for env in ({"GPROJ_TIER": "triton"}, {}):
+        monkeypatch.delenv("GPROJ_TIER", raising=False)
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match="bfloat16 under the Triton interpreter"):
+            ops.attention_backward(*(x.bfloat16() for x in (do, q, k, v, o)), lse)

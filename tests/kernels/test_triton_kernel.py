@@ -181,19 +181,22 @@ def test_deterministic_and_scale():
 
 def test_unsupported_reasons(monkeypatch):
     q, k, v, _ = make(1, 1, 1, 8, 8, 32)
-    assert kernel_unsupported_reason(q, k, v) is None
-    assert kernel_unsupported_reason(q, k, v, softcap=30.0) is None
-    assert kernel_unsupported_reason(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool)) == "attn_mask"
-    assert kernel_unsupported_reason(q, k, v, dropout_p=0.1) == "dropout"
-    assert kernel_unsupported_reason(q.float(), k.float(), v.float()) == "dtype=float32"
-    assert "bfloat16" in kernel_unsupported_reason(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    cpu = dict(cpu_kernel=True)  # the caller lets CPU tensors run interpreted (the plan, from the options)
+    assert kernel_unsupported_reason(q, k, v, **cpu) is None
+    assert kernel_unsupported_reason(q, k, v, softcap=30.0, **cpu) is None
+    assert kernel_unsupported_reason(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), **cpu) == "attn_mask"
+    assert kernel_unsupported_reason(q, k, v, dropout_p=0.1, **cpu) == "dropout"
+    assert kernel_unsupported_reason(q.float(), k.float(), v.float(), **cpu) == "dtype=float32"
+    assert "bfloat16" in kernel_unsupported_reason(q.bfloat16(), k.bfloat16(), v.bfloat16(), **cpu)
     big = torch.zeros(1, 1, 4, 320, dtype=torch.float16)
-    assert kernel_unsupported_reason(big, big, big) == "head_dim=320"
+    assert kernel_unsupported_reason(big, big, big, **cpu) == "head_dim=320"
+    # no environment is read here: without cpu_kernel a CPU tensor is refused, whatever the variables say
+    assert kernel_unsupported_reason(q, k, v) == "cpu tensor without GPROJ_TIER=triton/TRITON_INTERPRET=1"
     monkeypatch.delenv("GPROJ_TIER")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert kernel_unsupported_reason(q, k, v) == "cpu tensor without GPROJ_TIER=triton/TRITON_INTERPRET=1"
-    with pytest.raises(ValueError, match="cpu tensor"):
-        gproj_backward(q, q, k, v, q, torch.zeros(1, 1, 8))
+    # an explicit call of the kernel runs where the tensors are: interpreted on CPU (bf16 refused: inexact)
+    with pytest.raises(ValueError, match="bfloat16 under the Triton interpreter"):
+        gproj_backward(*(x.bfloat16() for x in (q, q, k, v, q)), torch.zeros(1, 1, 8))
 
 
 @pytest.mark.parametrize("sq,sk,causal,hkv", [(37, 37, True, 2), (20, 45, True, 1), (45, 20, True, 4),

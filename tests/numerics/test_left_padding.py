@@ -53,8 +53,12 @@ def make(dtype, *, sink=False, seed=0, hq=H, hkv=HKV):
     return q, k, v, do, s
 
 
-def _record(mode, tier, problem):
-    return record.CallRecord(problem, record.Context(mode=mode, tier_option=tier, layer="pad", source="test"))
+def _record(mode, tier, problem, tensors):
+    """The packed call's record and plan (tier "triton": the kernel on CPU fp16, or an error)."""
+    from gproj_patch.plan import ForwardTensors, make_plan
+    ctx = record.Context(mode=mode, tier_option=tier, layer="pad", source="test", cpu_kernel=tier == "triton")
+    return make_plan(record.CallRecord(problem, ctx),
+                     ForwardTensors(tensors.q, tensors.k, tensors.v, tensors.o, tensors.lse), has_original=False)
 
 
 def route(q, k, v, do, sink, mask, *, mode="gproj", tier="auto", ignore_pads=False):
@@ -70,7 +74,7 @@ def route(q, k, v, do, sink, mask, *, mode="gproj", tier="auto", ignore_pads=Fal
     o = o.to(q.dtype).masked_fill(~mask.any(-1, keepdim=True), float("nan"))  # as a fused forward may leave it
     problem = record.Problem(scale=D ** -0.5, sink=sink)
     tensors, packed = packed_call(pad, problem, do=do, q=q, k=k, v=v, out=o, lse=lse.float())
-    grads = router.run_backward(_record(mode, tier, packed), tensors)
+    grads = router.run_backward(_record(mode, tier, packed, tensors), tensors)
     return unpack_grads(pad, grads)
 
 
@@ -133,7 +137,7 @@ def test_live_empty_rows_are_inert_under_boolean_semantics(monkeypatch, tier):
     tensors, packed = packed_call(pad, record.Problem(scale=D ** -0.5, sink=s), do=do, q=q, k=k, v=v,
                                   out=o.to(dtype), lse=lse.float())
     mode, option = ("fp32", "auto") if tier == "fp32" else ("gproj", "triton")
-    got = unpack_grads(pad, router.run_backward(_record(mode, option, packed), tensors))
+    got = unpack_grads(pad, router.run_backward(_record(mode, option, packed, tensors), tensors))
     want = reference_backward(q, k, v, do, attn_mask=mask, sink=s)
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), got, want):
         assert torch.isfinite(a).all() and rel(a, b) < BOUND[dtype], name

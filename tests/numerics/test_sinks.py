@@ -368,7 +368,8 @@ def test_kernel_reasons_ops_and_softcap(interpret):
     from gproj_patch.backends import ops
     q, k, v, do, sink = make(1, 4, 2, 16, 16, 16, seed=12)
     o, lse = saved_forward(q, k, v, sink, causal=True)
-    reason = interpret.kernel_unsupported_reason
+    def reason(*args, **kwargs):
+        return interpret.kernel_unsupported_reason(*args, cpu_kernel=True, **kwargs)
     assert reason(q, k, v, sink=sink) is None and reason(q, k, v, sink=sink.half()) is None
     assert "shape (Hq,)" in reason(q, k, v, sink=sink[:2])
     assert "dtype=bfloat16" in reason(q, k, v, sink=sink.bfloat16())

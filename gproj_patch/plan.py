@@ -1,0 +1,222 @@
+"""One backward plan per attention call, made at its forward: what its backward will run, decided once.
+
+Every hook makes its call's record (``record.py``) at the forward and then, still at the forward, its plan with
+``make_plan(record, tensors, has_original)``; the backward (``router.run_backward``) executes the plan and reads
+nothing else — no options, no environment, no device query, no second support check, no policy decision.
+
+A ``BackwardPlan`` holds:
+
+* ``tier`` — ``"gproj"`` (the GProj kernel), ``"fp32"`` (FP32 attention with the projection) or ``"original"``
+  (the caller's own backward), and ``reason``: why not the tier the mode asked for (counted and logged once per
+  reason and shape class when the backward runs);
+* ``kernel`` — for the kernel tier: the KV-major launch (the warp-specialized Gluon kernel or the portable tl
+  one, with why not Gluon) and whether CPU tensors run through Triton's interpreter;
+* ``fp32_kernel`` — how the FP32 tier runs: the kernel on fp32 copies (its ``KernelPlan``) or, when None, the
+  chunked recomputation (``backends/fp32_tier.py``); also what ``audit`` compares with;
+* ``layer`` and ``step`` — the layer name and the sampling step of ``auto``/``audit`` (their policy decided at
+  the forward: ``policy.decide`` samples the detector on the forward's q, k and LSE);
+* ``dense`` — for a mask that may be right or left padding around causal flags: the plan if, at the backward,
+  the zero rows of dO do not make it one (then the mask stays a dense tensor, which only the chunked FP32 tier
+  takes). Whether it is padding depends on dO, the one input the forward cannot see.
+
+Reasons are checked in order, each right before the fallback it causes. ``kernel_reason`` answers for a
+``_kernel_key`` are memoized in the runtime state (``STATE.kernel_reasons``, cleared by ``reset()``).
+
+Under ``torch.compile`` the plan is made inside the forward custom op at run time (``ops/sdpa_compiled.py``,
+``ops/flex_compiled.py``): it never enters a traced graph, so it cannot become a Dynamo guard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from . import policy
+from .config import POLICY_MODES
+from .record import CallRecord, Problem
+from .state import STATE
+
+TIERS = ("gproj", "fp32", "original")
+TRITON_REFUSED = "GPROJ_TIER=triton but the GProj kernel cannot run: "
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How the GProj kernel runs one backward."""
+    kv_major: str                 # "gluon" | "tl": the kernel of the KV-major launch (dk, dv)
+    kv_major_reason: Optional[str]  # why not the Gluon kernel (None when it runs); counted in stats()
+    interpret: bool               # CPU tensors: the kernels run through Triton's interpreter
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    tier: str
+    reason: Optional[str]
+    kernel: Optional[KernelPlan]       # tier "gproj"
+    fp32_kernel: Optional[KernelPlan]  # the FP32 tier's kernel form; None: the chunked recomputation
+    layer: str
+    step: int
+    dense: Optional["BackwardPlan"] = None  # a padding mask that dO does not resolve: this plan instead
+    error: Optional[str] = None  # the backward raises this (tier "triton" refused, known only at the backward)
+
+    def __post_init__(self):
+        if self.tier not in TIERS:
+            raise ValueError(f"plan tier must be one of {TIERS}, got {self.tier!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardTensors:
+    """What the forward has for planning: the inputs, and the output and LSE the backward will receive (None
+    when the forward has none: then the kernel tier, which needs both, is not planned — unless the hook
+    recomputes them for the backward, ``recomputed_lse``: HF eager attention, whose forward has no LSE)."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: Optional[torch.Tensor]
+    lse: Optional[torch.Tensor]
+    recomputed_lse: bool = False
+
+    @property
+    def has_lse(self) -> bool:
+        return self.recomputed_lse or (self.o is not None and self.lse is not None)
+
+
+_KERNEL_CACHE_SIZE = 1024
+_MISSING = object()
+
+
+def _triton_bwd():
+    """``backends.triton_bwd``, imported on first use (it imports triton; ImportError while it cannot be)."""
+    from .backends import triton_bwd
+    return triton_bwd
+
+
+def _kernel_key(t: ForwardTensors, problem: Problem, cpu_kernel: bool) -> Optional[tuple]:
+    """Cache key of ``kernel_reason`` (None: not cacheable): for 4-D inputs with no mask tensor, sink or
+    softcap and the forward's output and LSE, ``kernel_unsupported_reason`` reads only the device type, the
+    dtypes, the head dims, B·H and ``cpu_kernel``. A new input of that predicate must join this key."""
+    q, k, v = t.q, t.k, t.v
+    if (problem.attn_mask is not None or problem.sink is not None or problem.softcap != 0.0 or not t.has_lse
+            or q.dim() != 4 or k.dim() != 4 or v.dim() != 4):
+        return None
+    qs = q.shape
+    return q.device.type, cpu_kernel, q.dtype, k.dtype, v.dtype, qs[0] * qs[1], qs[3], k.shape[3], v.shape[3]
+
+
+def kernel_reason(t: ForwardTensors, problem: Problem, *, cpu_kernel: bool, fp32: bool = False,
+                  mask_as_flags: bool = False) -> Optional[str]:
+    """Why the GProj kernel cannot take this call's backward (None when it can).
+
+    ``fp32=True`` asks about the FP32 tier's kernel form (the kernel on fp32 copies, fp32-level products). Not
+    with a learnable sink: there the saved output's rounding enters the target P_sink·D and leaves
+    δ·P_sink/(1 − P_sink) of it in dq (measured 6e-4 of fp64 at a 128σ offset), while the chunked tier recomputes
+    O in fp32 (1e-5). ``mask_as_flags``: plan as if the mask were flags (a padding candidate, ``dense`` below)."""
+    if problem.dropout_p > 0.0:
+        return "dropout > 0 (the kernel takes no dropout mask)"
+    if fp32 and problem.sink is not None:
+        return "learnable sink (the chunked tier recomputes the output the sink target needs)"
+    if not t.has_lse:
+        return "the forward returned no LSE (non-fused forward)"
+    attn_mask = None if mask_as_flags else problem.attn_mask
+    key = None if fp32 or attn_mask is not None else _kernel_key(t, problem, cpu_kernel)
+    if key is not None:
+        cached = STATE.kernel_reasons.get(key, _MISSING)
+        if cached is not _MISSING:
+            return cached
+    try:
+        triton_bwd = _triton_bwd()
+    except ImportError as exc:  # triton missing
+        return f"no triton kernel ({exc})"
+    reason = triton_bwd.kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=attn_mask, softcap=problem.softcap,
+                                                  sink=problem.sink, fp32=fp32, cpu_kernel=cpu_kernel)
+    if key is not None:
+        if len(STATE.kernel_reasons) >= _KERNEL_CACHE_SIZE:  # bounded (many B·H values): start over
+            STATE.kernel_reasons.clear()
+        STATE.kernel_reasons[key] = reason
+    return reason
+
+
+def kv_major_choice(t: ForwardTensors, problem: Problem, option: str) -> Tuple[str, Optional[str]]:
+    """(KV-major kernel, why not Gluon): the Gluon kernel where ``gluon_bwd.kv_major_reason`` allows it and it
+    was measured faster than the tl kernel (``gluon_bwd.FASTER_HEAD_DIMS``), else tl; always tl under the
+    option ``kv_major="tl"``. dO is planned as laid out like q (the router passes a contiguous dO to Gluon)."""
+    if option == "tl":
+        return "tl", "kv_major=tl (GPROJ_KV_MAJOR / enable option)"
+    from .backends import gluon_bwd
+    reason = gluon_bwd.kv_major_reason(t.q, t.k, t.v, window=problem.window, softcap=problem.softcap,
+                                       varlen=problem.cu_seqlens_q is not None or problem.cu_seqlens_k is not None)
+    if reason is None and t.q.shape[-1] not in gluon_bwd.FASTER_HEAD_DIMS:
+        reason = f"head_dim={t.q.shape[-1]}: the tl KV-major kernel is faster there"
+    return ("gluon", None) if reason is None else ("tl", reason)
+
+
+def _kernel_plan(t: ForwardTensors, problem: Problem, record: CallRecord, fp32: bool) -> KernelPlan:
+    interpret = t.q.device.type != "cuda"
+    if fp32:  # fp32 copies: the Gluon kernel is bf16/fp16 only
+        return KernelPlan(kv_major="tl", kv_major_reason="fp32 (the FP32 tier's kernel form)", interpret=interpret)
+    if problem.padded:  # left padding runs as packed varlen segments, which the Gluon kernel does not take
+        return KernelPlan(kv_major="tl", kv_major_reason="padding mask (may run as varlen)", interpret=interpret)
+    kv_major, why = kv_major_choice(t, problem, record.context.kv_major)
+    return KernelPlan(kv_major=kv_major, kv_major_reason=why, interpret=interpret)
+
+
+def _tier(record: CallRecord, t: ForwardTensors, has_original: bool, mask_as_flags: bool,
+          policy_tier: Optional[str], defer_error: bool = False) -> Tuple[str, Optional[str]]:
+    """(tier, fallback reason or None), in the order of the rules: mode off, fp32 asked, the policy's choice
+    (``policy_tier``, decided once per call by ``make_plan``), then the kernel's support."""
+    ctx, problem = record.context, record.problem
+    if ctx.mode == "off":
+        return ("original", None) if has_original else ("fp32", f"{ctx.source}: no original backward available")
+    if ctx.mode == "fp32" or ctx.tier_option == "fp32":
+        return "fp32", None
+    if policy_tier is not None:
+        tier = policy_tier
+        if tier == "original" and not has_original:
+            return "fp32", f"{ctx.source}: no original backward available"
+        if tier != "gproj":
+            return tier, None
+    reason = kernel_reason(t, problem, cpu_kernel=ctx.cpu_kernel, mask_as_flags=mask_as_flags)
+    if reason is None:
+        return "gproj", None
+    if ctx.tier_option == "triton" and not defer_error:
+        raise RuntimeError(f"{TRITON_REFUSED}{reason}")
+    return "fp32", reason
+
+
+def _plan(record: CallRecord, t: ForwardTensors, has_original: bool, mask_as_flags: bool, step: int,
+          policy_tier: Optional[str], defer_error: bool = False) -> BackwardPlan:
+    problem, ctx = record.problem, record.context
+    tier, reason = _tier(record, t, has_original, mask_as_flags, policy_tier, defer_error)
+    error = f"{TRITON_REFUSED}{reason}" if defer_error and ctx.tier_option == "triton" and tier == "fp32" \
+        and reason is not None else None
+    kernel = _kernel_plan(t, problem, record, fp32=False) if tier == "gproj" else None
+    fp32_kernel = None
+    if tier == "fp32" or ctx.mode == "audit":  # the FP32 tier runs, or audit compares with it
+        fp32_reason = kernel_reason(t, problem, cpu_kernel=ctx.cpu_kernel, fp32=True, mask_as_flags=mask_as_flags)
+        if fp32_reason is None:
+            fp32_kernel = _kernel_plan(t, problem, record, fp32=True)
+    return BackwardPlan(tier=tier, reason=reason, kernel=kernel, fp32_kernel=fp32_kernel, layer=ctx.layer,
+                        step=step, error=error)
+
+
+def make_plan(record: CallRecord, t: ForwardTensors, has_original: bool) -> CallRecord:
+    """The record with its backward plan, made now (at the forward). ``has_original``: the hook can run the
+    caller's own backward. A record whose mask may be padding (``problem.padded``) gets the plan of the mask as
+    flags, and as ``dense`` the plan of the mask as a tensor (the chunked FP32 tier)."""
+    step = STATE.step()
+    ctx = record.context
+    policy_tier = None
+    if ctx.mode in POLICY_MODES and ctx.mode != "off" and ctx.tier_option != "fp32":
+        # sampled on the forward's own q, k and LSE, at this step: once per call
+        policy_tier = policy.decide(record, q=t.q, k=t.k, lse=t.lse)
+    if record.problem.padded and record.problem.attn_mask is not None:
+        # used only if dO does not make the mask padding: a refusal of tier "triton" is raised then, not now
+        dense = _plan(record, t, has_original, mask_as_flags=False, step=step, policy_tier=policy_tier,
+                      defer_error=True)
+        plan = _plan(record, t, has_original, mask_as_flags=True, step=step, policy_tier=policy_tier)
+        plan = BackwardPlan(tier=plan.tier, reason=plan.reason, kernel=plan.kernel, fp32_kernel=plan.fp32_kernel,
+                            layer=plan.layer, step=step, dense=dense)
+    else:
+        plan = _plan(record, t, has_original, mask_as_flags=False, step=step, policy_tier=policy_tier)
+    return CallRecord(record.problem, record.context, plan)

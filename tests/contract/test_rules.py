@@ -1,0 +1,171 @@
+"""The structure rules of issue 20 (item 8), checked on the source: one runtime state, no import cycle at any
+level and no upward import, no environment read in the numerics, no host function with a dozen loose arguments.
+
+Each rule is an AST scan of ``gproj_patch/``; a violation names the file, line and what to do instead.
+"""
+import ast
+
+from tests.helpers.paths import REPO
+
+PKG = REPO / "gproj_patch"
+#: the one module that owns turning the patch on and off (it may keep ``global`` state of its own)
+OWNER = PKG / "__init__.py"
+#: the one module that holds the runtime state
+STATE_MODULE = PKG / "state.py"
+MAX_PARAMETERS = 12
+#: containers a module-level assignment must not create outside the state module (unless a bounded cache)
+MUTABLE_CALLS = {"dict", "list", "set", "Counter", "OrderedDict", "defaultdict", "deque", "WeakValueDictionary",
+                 "WeakKeyDictionary", "WeakSet", "local"}
+#: decorators whose functions are kernels or op schemas (their parameters are the kernel's / the op's)
+KERNEL_DECORATORS = ("jit", "custom_op", "register_fake", "register_kernel")
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(REPO).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        yield name, path
+
+
+KNOWN = {n: p for n, p in _modules()}
+
+
+def _type_checking_blocks(tree):
+    """Nodes under ``if TYPE_CHECKING:`` (imports for annotations only: never run)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for n in ast.walk(node))
+    return skip
+
+
+def _edges(name, path):
+    """(imported module, line) of every import statement of module ``name``, at any level."""
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_blocks(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:  # `from pkg import sub` imports the submodule; `from mod import x` the module
+                target = f"{mod}.{a.name}" if f"{mod}.{a.name}" in KNOWN else mod
+                if target in KNOWN and target != name:
+                    yield target, node.lineno
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in KNOWN and a.name != name:
+                    yield a.name, node.lineno
+
+
+def test_no_import_cycle_at_any_level():
+    """Function-level imports included (a cycle through them still ties the modules' initialisation order);
+    imports under TYPE_CHECKING excluded."""
+    graph = {name: {m for m, _ in _edges(name, path)} for name, path in KNOWN.items()}
+    done, stack = set(), []
+
+    def visit(n):
+        if n in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+        if n in done:
+            return
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            visit(m)
+        stack.pop()
+        done.add(n)
+    for n in sorted(graph):
+        visit(n)
+
+
+def test_no_upward_import():
+    """No module imports a package above it (its names live in the modules below: the package's ``__init__``
+    imports its parts, never the reverse)."""
+    bad = []
+    for name, path in KNOWN.items():
+        for target, line in _edges(name, path):
+            if name.startswith(target + "."):
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    assert not bad, bad
+
+
+def test_backends_import_nothing_above_them():
+    bad = [f"{path.relative_to(REPO)}:{line} imports {target}" for name, path in KNOWN.items()
+           if name.startswith("gproj_patch.backends") for target, line in _edges(name, path)
+           if not target.startswith("gproj_patch.backends")]
+    assert not bad, bad
+
+
+def test_backends_read_no_environment():
+    """The numerics decide nothing: no ``os.environ`` / ``os.getenv`` under backends/ (the options are resolved
+    at ``enable()`` and reach the backends through the call's plan)."""
+    bad = []
+    for path in sorted((PKG / "backends").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "os":
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not bad, bad
+
+
+def test_no_global_statement_outside_the_owner():
+    bad = []
+    for _, path in KNOWN.items():
+        if path == OWNER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Global):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno} global {', '.join(node.names)}")
+    assert not bad, bad
+
+
+def _creates_container(value) -> bool:
+    if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+        return True
+    if isinstance(value, ast.Call):
+        fn = value.func
+        fname = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+        return fname in MUTABLE_CALLS
+    return False
+
+
+def test_module_level_mutable_state_only_in_the_state_module():
+    """Every module-level container lives in the runtime state, or is a documented bounded cache (a comment
+    with "bounded cache" right above it, saying what bounds it)."""
+    bad = []
+    for _, path in KNOWN.items():
+        if path == STATE_MODULE:
+            continue
+        lines = path.read_text().splitlines()
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            if not names or names == ["__all__"] or not _creates_container(node.value):
+                continue
+            above = " ".join(lines[max(0, node.lineno - 4): node.lineno - 1])
+            if "bounded cache" not in above:
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno} {names[0]}")
+    assert not bad, bad
+
+
+def test_no_host_function_with_a_dozen_loose_arguments():
+    """Host functions take at most 12 parameters (group the rest in dataclasses); Triton/Gluon kernels and
+    ``torch.library`` op schemas are exempt (their parameters are the kernel's or the op's)."""
+    bad = []
+    for _, path in KNOWN.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if any(d in ast.unparse(dec) for dec in node.decorator_list for d in KERNEL_DECORATORS):
+                continue
+            a = node.args
+            n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+            if n > MAX_PARAMETERS:
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n})")
+    assert not bad, bad
