@@ -51,16 +51,37 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-from .spec import (MaskSpec, default_scale, normalize_lse, segments, validate_cu_seqlens, validate_qkv,
-                   validate_sink)
+from .spec import (MASK_KWARGS, MaskArgs, MaskSpec, default_scale, normalize_lse, segments, validate_cu_seqlens,
+                   validate_qkv, validate_sink)
 
 FORMATS = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 DK_FORMS = ("two_product", "fused")
+
+
+@dataclass(frozen=True)
+class EmulationOptions:
+    """The modelled kernel of ``emulated_backward`` (its keywords besides the mask kwargs): the rounding format,
+    GProj on or off, the dk form and the tile sizes. Checked here, before any input is read."""
+    fmt: object = "bf16"
+    correct: bool = True
+    dk_form: str = "two_product"
+    block_m: int = 64
+    block_n: int = 64
+
+    def __post_init__(self):
+        if self.dk_form not in DK_FORMS:
+            raise ValueError(f"dk_form must be one of {DK_FORMS}, got {self.dk_form!r}")
+        if self.block_m < 1 or self.block_n < 1:
+            raise ValueError("block_m and block_n must be positive")
+
+
+EMULATION_OPTIONS = tuple(f.name for f in fields(EmulationOptions))
 
 
 @contextlib.contextmanager
@@ -166,18 +187,24 @@ def _tile_visible_anywhere(spec: MaskSpec, i0, i1, j0, j1, ql, kl, device) -> bo
     return bool(spec.visible(rows[:, None], cols[None, :], ql, kl).any())
 
 
-def _prepare(q, k, v, extra, fmt, scale, mask_kwargs, sink=None):
+def _mask_args(kwargs: dict) -> Tuple[MaskArgs, list]:
+    """(the mask kwargs among ``kwargs``, the sorted names of the other keywords). The emulation refuses those
+    with a ValueError after its input checks (``_prepare``), as it always has, not with Python's TypeError."""
+    unknown = sorted(set(kwargs) - set(MASK_KWARGS))
+    args = MaskArgs.from_kwargs("emulation", {n: x for n, x in kwargs.items() if n in MASK_KWARGS})
+    return args, unknown
+
+
+def _prepare(q, k, v, extra, fmt, mask: MaskArgs, unknown: list, sink=None):
     validate_qkv(q, k, v, *extra)
-    validate_sink(sink, q, softcap=float(mask_kwargs.get("softcap", 0.0)))
-    cu_q, cu_k = mask_kwargs.pop("cu_seqlens_q", None), mask_kwargs.pop("cu_seqlens_k", None)
+    validate_sink(sink, q, softcap=float(mask.softcap))
+    cu_q, cu_k = mask.varlen.cu_seqlens_q, mask.varlen.cu_seqlens_k
     validate_cu_seqlens(cu_q, cu_k, q.shape[0], q.shape[2], k.shape[2])
-    unknown = set(mask_kwargs) - {"causal", "causal_align", "window", "softcap"}
     if unknown:
-        raise ValueError(f"unknown mask arguments: {sorted(unknown)}")
-    spec = MaskSpec(bool(mask_kwargs.get("causal", False)), mask_kwargs.get("causal_align", "top_left"),
-                    tuple(mask_kwargs.get("window", (-1, -1))), float(mask_kwargs.get("softcap", 0.0)))
+        raise ValueError(f"unknown mask arguments: {unknown}")
+    spec = mask.mask_spec()
     low = rounder(fmt)
-    alpha = default_scale(q.shape[-1], scale)
+    alpha = default_scale(q.shape[-1], mask.scale)
     group = q.shape[1] // k.shape[1]
     kk = low(k).repeat_interleave(group, dim=1)
     vv = low(v).repeat_interleave(group, dim=1)
@@ -185,16 +212,18 @@ def _prepare(q, k, v, extra, fmt, scale, mask_kwargs, sink=None):
 
 
 @_full_fp32
-def emulated_forward(q, k, v, *, fmt="bf16", block_n: int = 64, scale: Optional[float] = None,
-                     sink: Optional[torch.Tensor] = None, **mask) -> Tuple[torch.Tensor, torch.Tensor]:
+def emulated_forward(q, k, v, *, fmt="bf16", block_n: int = 64, sink: Optional[torch.Tensor] = None,
+                     **mask) -> Tuple[torch.Tensor, torch.Tensor]:
     """Model of an FA2-style low-precision forward: (O rounded to ``fmt`` held in fp32, LSE fp32 (B, Hq, Sq)).
+    ``mask``: the mask kwargs (``spec.MASK_KWARGS``; another keyword raises ValueError "unknown mask arguments").
 
     Online softmax over key tiles in fp32; the PV product uses low(P̃) (P̃ = exp(S − running max)), the row
     sum l uses the fp32 P̃; O = low(acc / l). Rows that see no key: O = 0, LSE = −inf. A ``sink`` enters as
     a first tile of one key with no value (running max s_h, l = 1): the LSE includes it, rows that see no key
     get LSE = s_h.
     """
-    spec, low, alpha, _g, qq, kk, vv, cu_q, cu_k = _prepare(q, k, v, (), fmt, scale, dict(mask), sink=sink)
+    args, unknown = _mask_args(mask)
+    spec, low, alpha, _g, qq, kk, vv, cu_q, cu_k = _prepare(q, k, v, (), fmt, args, unknown, sink=sink)
     B, Hq, Sq, _ = q.shape
     out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -231,15 +260,14 @@ def emulated_forward(q, k, v, *, fmt="bf16", block_n: int = 64, scale: Optional[
 
 
 @_full_fp32
-def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, dk_form: str = "two_product",
-                      block_m: int = 64, block_n: int = 64, scale: Optional[float] = None,
-                      stats: Optional[Dict[str, torch.Tensor]] = None, sink: Optional[torch.Tensor] = None,
-                      **mask):
+def emulated_backward(q, k, v, o, do, lse, *, stats: Optional[Dict[str, torch.Tensor]] = None,
+                      sink: Optional[torch.Tensor] = None, **mask_and_options):
     """Emulated low-precision attention backward (see the module docstring); returns fp32 (dq, dk, dv).
 
     q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), o/do like q, lse in any layout ``spec.normalize_lse`` reads
-    (natural log; −inf for rows that see no key). Inputs are first rounded to ``fmt`` (a no-op for tensors of
-    that dtype). ``mask``: scale/causal/causal_align/window/softcap/cu_seqlens_q/cu_seqlens_k as in spec.py.
+    (natural log; −inf for rows that see no key). ``mask_and_options``: the mask kwargs (``spec.MASK_KWARGS``;
+    another keyword raises ValueError "unknown mask arguments") and the keywords of ``EmulationOptions``: ``fmt`` ("bf16" | "fp16"; inputs are first rounded to it, a no-op
+    for tensors of that dtype), ``correct`` (GProj), ``dk_form``, ``block_m``, ``block_n``.
     dk/dv are summed over each query-head group. Rows with lse = −inf get zero gradients.
 
     ``stats``: if a dict is passed, it receives per-row fp32 tensors (B, Hq, Sq) ``rho`` (Σ_j t), ``m``
@@ -250,12 +278,11 @@ def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, 
     ``sink`` (Hq,): the learnable sink the forward's LSE includes (module docstring); the result is then
     (dq, dk, dv, dsink) with dsink (Hq,) fp32. Without it, (dq, dk, dv).
     """
-    if dk_form not in DK_FORMS:
-        raise ValueError(f"dk_form must be one of {DK_FORMS}, got {dk_form!r}")
-    if block_m < 1 or block_n < 1:
-        raise ValueError("block_m and block_n must be positive")
-    spec, low, alpha, group, qq, kk, vv, cu_q, cu_k = _prepare(q, k, v, (("o", o), ("do", do)), fmt, scale,
-                                                                dict(mask), sink=sink)
+    opt = EmulationOptions(**{n: x for n, x in mask_and_options.items() if n in EMULATION_OPTIONS})
+    correct, block_m, block_n = opt.correct, opt.block_m, opt.block_n
+    args, unknown = _mask_args({n: x for n, x in mask_and_options.items() if n not in EMULATION_OPTIONS})
+    spec, low, alpha, group, qq, kk, vv, cu_q, cu_k = _prepare(q, k, v, (("o", o), ("do", do)), opt.fmt, args,
+                                                                unknown, sink=sink)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     lse = normalize_lse(lse, B, Hq, Sq)
@@ -270,7 +297,7 @@ def emulated_backward(q, k, v, o, do, lse, *, fmt="bf16", correct: bool = True, 
     if stats is not None:
         for name in ("rho", "m", "lam", "target") + (("resid", "abs_t") if correct else ()):
             stats[name] = torch.zeros(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    fused = dk_form == "fused"
+    fused = opt.dk_form == "fused"
     for bs, qs, ql, ks, kl in _units(B, Sq, Sk, cu_q, cu_k):
         if ql == 0 or kl == 0:
             continue

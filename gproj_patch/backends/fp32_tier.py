@@ -37,12 +37,13 @@ distribution, not sample by sample. ``dropout_p > 0`` requires ``dropout_seed``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 import torch
 
 from .emulation import full_fp32, tile_scores
-from .spec import (MaskSpec, default_scale, expand_attn_mask, segments, validate_attn_mask,
+from .spec import (MaskArgs, MaskSpec, Varlen, default_scale, expand_attn_mask, segments, validate_attn_mask,
                    validate_cu_seqlens, validate_qkv, validate_sink)
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
@@ -78,8 +79,24 @@ def dropout_keep(seed: int, batch: int, heads: torch.Tensor, rows: torch.Tensor,
     return h.to(torch.float64) >= p * 4294967296.0
 
 
-def _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_q, cu_k, extra=(), check_finite=True, sink=None,
+@dataclass(frozen=True, eq=False)
+class _Pass:
+    """What one FP32 pass over the query chunks (``_walk``) needs besides q, k, v; made once per call by
+    ``_prepare`` from the public function's arguments."""
+    alpha: float
+    spec: MaskSpec
+    varlen: Varlen
+    attn_mask: Optional[torch.Tensor]
+    dropout_p: float
+    dropout_seed: Optional[int]
+    sink: Optional[torch.Tensor]
+    budget: int
+    chunk_size: Optional[int]
+
+
+def _check(q, k, v, attn_mask, dropout_p, dropout_seed, varlen: Varlen, extra=(), check_finite=True, sink=None,
            softcap=0.0):
+    cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
     validate_qkv(q, k, v, *extra, check_finite=check_finite)
     validate_sink(sink, q, softcap=float(softcap))
     validate_cu_seqlens(cu_q, cu_k, q.shape[0], q.shape[2], k.shape[2])
@@ -134,9 +151,10 @@ def _softmax(s, sink_col):
     return p, lse, psink
 
 
-def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu_q, cu_k, budget, chunk_size,
-          sink=None) -> Iterator[_Chunk]:
+def _walk(q, k, v, run: _Pass) -> Iterator[_Chunk]:
     """Yield the fp32 probabilities of each query chunk (full key rows) with what the backward needs."""
+    attn_mask, dropout_p, dropout_seed, sink = run.attn_mask, run.dropout_p, run.dropout_seed, run.sink
+    alpha, spec, cu_q, cu_k = run.alpha, run.spec, run.varlen.cu_seqlens_q, run.varlen.cu_seqlens_k
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     group = Hq // k.shape[1]
@@ -155,7 +173,7 @@ def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu
         K = k[bs, :, ks:ks + kl].to(torch.float32).repeat_interleave(group, dim=1)
         V = v[bs, :, ks:ks + kl].to(torch.float32).repeat_interleave(group, dim=1)
         nb = K.shape[0]
-        step = _chunk_len(nb * Hq, kl, budget, chunk_size)
+        step = _chunk_len(nb * Hq, kl, run.budget, run.chunk_size)
         for c0 in range(0, ql, step):
             c1 = min(ql, c0 + step)
             rows = slice(qs + c0, qs + c1)
@@ -186,34 +204,35 @@ def _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec: MaskSpec, cu
             yield ch
 
 
-def _mask_spec(causal, causal_align, window, softcap) -> MaskSpec:
-    return MaskSpec(bool(causal), causal_align, tuple(window), float(softcap))
+def _prepare(q, mask: MaskArgs, attn_mask, dropout_p, dropout_seed, chunk_size, memory_budget, sink) -> _Pass:
+    """The pass of one call, after ``_check``: the validated mask, the scale and the memory budget."""
+    spec = mask.mask_spec()
+    alpha = default_scale(q.shape[-1], mask.scale)
+    budget = _default_budget(q.device) if memory_budget is None else memory_budget
+    return _Pass(alpha, spec, mask.varlen, attn_mask, dropout_p, dropout_seed, sink, budget, chunk_size)
 
 
 def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                 scale: Optional[float] = None, causal: bool = False, causal_align: str = "top_left",
-                 window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
                  chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, check_finite: bool = True,
-                 sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 sink: Optional[torch.Tensor] = None, **mask) -> Tuple[torch.Tensor, torch.Tensor]:
     """FP32 attention output (B, Hq, Sq, Dv) fp32 and natural-log LSE (B, Hq, Sq) fp32 (−inf: no key seen).
 
-    ``check_finite=False`` lets inf/NaN inputs propagate (the hooks: a GradScaler must see an overflow, not an
-    exception). ``sink`` (Hq,): learnable sink logits in the denominator (module docstring); the LSE includes
-    them, and a row that sees no key gets LSE = s_h."""
-    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, check_finite=check_finite,
-           sink=sink, softcap=softcap)
-    spec = _mask_spec(causal, causal_align, window, softcap)
-    alpha = default_scale(q.shape[-1], scale)
+    ``mask``: the mask kwargs (``spec.MASK_KWARGS``). ``check_finite=False`` lets inf/NaN inputs propagate (the
+    hooks: a GradScaler must see an overflow, not an exception). ``sink`` (Hq,): learnable sink logits in the
+    denominator (module docstring); the LSE includes them, and a row that sees no key gets LSE = s_h."""
+    args = MaskArgs.from_kwargs("fp32_forward", mask)
+    _check(q, k, v, attn_mask, dropout_p, dropout_seed, args.varlen, check_finite=check_finite, sink=sink,
+           softcap=args.softcap)
     B, Hq, Sq, _ = q.shape
     out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
-    budget = _default_budget(q.device) if memory_budget is None else memory_budget
+    # after the outputs: on CUDA the budget reads the free memory, and the chunking must not change
+    run = _prepare(q, args, attn_mask, dropout_p, dropout_seed, chunk_size, memory_budget, sink)
     if sink is not None:  # rows the walk skips (no visible key) have LSE = s_h
-        for seg in segments(B, Sq, k.shape[2], cu_seqlens_q, cu_seqlens_k):
+        for seg in segments(B, Sq, k.shape[2], args.varlen.cu_seqlens_q, args.varlen.cu_seqlens_k):
             lse[seg.batch, :, seg.q_start:seg.q_start + seg.q_len] = sink.to(torch.float32)[:, None]
     with full_fp32():
-        for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
-                        budget, chunk_size, sink=sink):
+        for ch in _walk(q, k, v, run):
             pd = ch.p if ch.z is None else ch.p * ch.z
             out[ch.bs, :, ch.rows] = torch.matmul(pd, ch.v)
             lse[ch.bs, :, ch.rows] = ch.lse
@@ -221,21 +240,19 @@ def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_see
 
 
 def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                  project: bool = True, scale: Optional[float] = None, causal: bool = False,
-                  causal_align: str = "top_left", window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
-                  cu_seqlens_k=None, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-                  check_finite: bool = True, sink: Optional[torch.Tensor] = None):
+                  project: bool = True, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
+                  check_finite: bool = True, sink: Optional[torch.Tensor] = None, **mask):
     """(dq, dk, dv) fp32 of ⟨do, attention(q, k, v)⟩, recomputed in FP32; GProj projection unless project=False.
 
-    dk/dv are summed over each query-head group (GQA). Rows that see no key get zero gradients.
+    ``mask``: the mask kwargs (``spec.MASK_KWARGS``). dk/dv are summed over each query-head group (GQA). Rows
+    that see no key get zero gradients.
     ``check_finite=False`` lets inf/NaN propagate into the gradients (as a fused backward does) instead of raising.
     ``sink`` (Hq,): learnable sink logits (module docstring); the result is then (dq, dk, dv, dsink), dsink (Hq,)
     fp32.
     """
-    _check(q, k, v, attn_mask, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, extra=(("do", do),),
-           check_finite=check_finite, sink=sink, softcap=softcap)
-    spec = _mask_spec(causal, causal_align, window, softcap)
-    alpha = default_scale(q.shape[-1], scale)
+    args = MaskArgs.from_kwargs("fp32_backward", mask)
+    _check(q, k, v, attn_mask, dropout_p, dropout_seed, args.varlen, extra=(("do", do),), check_finite=check_finite,
+           sink=sink, softcap=args.softcap)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -243,10 +260,11 @@ def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropou
     dk_full = torch.zeros(B, Hq, Sk, D, dtype=torch.float32, device=q.device)
     dv_full = torch.zeros(B, Hq, Sk, v.shape[-1], dtype=torch.float32, device=q.device)
     dsink = torch.zeros(Hq, dtype=torch.float32, device=q.device)
-    budget = _default_budget(q.device) if memory_budget is None else memory_budget
+    # after the accumulators: on CUDA the budget reads the free memory, and the chunking must not change
+    run = _prepare(q, args, attn_mask, dropout_p, dropout_seed, chunk_size, memory_budget, sink)
+    alpha = run.alpha
     with full_fp32():
-        for ch in _walk(q, k, v, attn_mask, dropout_p, dropout_seed, alpha, spec, cu_seqlens_q, cu_seqlens_k,
-                        budget, chunk_size, sink=sink):
+        for ch in _walk(q, k, v, run):
             dO = do[ch.bs, :, ch.rows].to(torch.float32)
             p = ch.p
             pd = p if ch.z is None else p * ch.z

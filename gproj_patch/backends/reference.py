@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .spec import (MaskSpec, default_scale, expand_attn_mask, segments, validate_attn_mask,
+from .spec import (MaskArgs, MaskSpec, default_scale, expand_attn_mask, segments, validate_attn_mask,
                    validate_cu_seqlens, validate_qkv, validate_sink)
 
 _BLOCK_ELEMENTS = 1 << 24  # fp64 elements per score block (128 MiB)
@@ -104,17 +104,18 @@ def _walk(q, k, v, attn_mask, scale, mask, cu_seqlens_q, cu_seqlens_k):
 
 
 def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
-                      scale: Optional[float] = None, causal: bool = False, causal_align: str = "top_left",
-                      window=(-1, -1), softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                      sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      sink: Optional[torch.Tensor] = None, **mask) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact attention output (B, Hq, Sq, Dv) and natural-log LSE (B, Hq, Sq), both fp64.
 
-    Rows that see no key get output 0 and LSE = -inf (= s_h with a ``sink``: the LSE includes the sink).
+    ``mask``: the mask kwargs (``spec.MASK_KWARGS``). Rows that see no key get output 0 and LSE = -inf (= s_h
+    with a ``sink``: the LSE includes the sink).
     """
-    _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, sink=sink, softcap=softcap)
+    args = MaskArgs.from_kwargs("reference_forward", mask)
+    cu_seqlens_q, cu_seqlens_k = args.varlen.cu_seqlens_q, args.varlen.cu_seqlens_k
+    _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, sink=sink, softcap=args.softcap)
     sink_col = _sink_column(sink)
-    mask = MaskSpec(causal, causal_align, tuple(window), float(softcap))
-    scale = default_scale(q.shape[-1], scale)
+    mask = args.mask_spec()
+    scale = default_scale(q.shape[-1], args.scale)
     B, Hq, Sq, _ = q.shape
     out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=torch.float64, device=q.device)
     lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float64, device=q.device)
@@ -127,19 +128,19 @@ def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn
 
 
 def reference_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
-                       attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                       causal: bool = False, causal_align: str = "top_left", window=(-1, -1),
-                       softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                       sink: Optional[torch.Tensor] = None):
+                       attn_mask: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None, **mask):
     """Exact (dq, dk, dv) in fp64 for the loss ⟨do, attention(q, k, v)⟩; with a ``sink``, (dq, dk, dv, dsink),
     dsink (Hq,) fp64 = −Σ_{b,i} P_sink,i·D_i (see the module docstring).
 
-    dk and dv are summed over each query-head group (GQA/MQA). Rows that see no key contribute nothing.
+    ``mask``: the mask kwargs (``spec.MASK_KWARGS``). dk and dv are summed over each query-head group (GQA/MQA).
+    Rows that see no key contribute nothing.
     """
-    _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, extra=(("do", do),), sink=sink, softcap=softcap)
+    args = MaskArgs.from_kwargs("reference_backward", mask)
+    cu_seqlens_q, cu_seqlens_k = args.varlen.cu_seqlens_q, args.varlen.cu_seqlens_k
+    _check(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, extra=(("do", do),), sink=sink, softcap=args.softcap)
     sink_col = _sink_column(sink)
-    mask = MaskSpec(causal, causal_align, tuple(window), float(softcap))
-    scale = default_scale(q.shape[-1], scale)
+    mask = args.mask_spec()
+    scale = default_scale(q.shape[-1], args.scale)
     B, Hq, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv

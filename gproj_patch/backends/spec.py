@@ -66,6 +66,66 @@ def default_scale(head_dim: int, scale: Optional[float]) -> float:
     return head_dim ** -0.5 if scale is None else float(scale)
 
 
+# The mask kwargs ---------------------------------------------------------------------------------------------
+#
+# Every backend takes the same keywords for the score scale, the mask and the varlen packing (ARCHITECTURE.md).
+# Their public functions take them as ``**mask`` and turn them into a ``MaskArgs`` at their first line, so the
+# keyword call convention of every call site stays as it was while the functions' own parameter lists stay short.
+
+#: the mask kwargs every backend takes, with their defaults as ``MaskArgs`` holds them
+MASK_KWARGS = ("scale", "causal", "causal_align", "window", "softcap", "cu_seqlens_q", "cu_seqlens_k")
+#: the longest sequence of each side of a varlen pack: mask kwargs of the Triton kernel only (no device sync)
+MAX_SEQLEN_KWARGS = ("max_seqlen_q", "max_seqlen_k")
+#: the keywords ``Varlen`` is made of
+VARLEN_KWARGS = ("cu_seqlens_q", "cu_seqlens_k") + MAX_SEQLEN_KWARGS
+
+
+def split_keywords(function: str, kwargs: dict, *groups: Tuple[str, ...]) -> Tuple[dict, ...]:
+    """``kwargs`` split by name into one dict per group of names (in the order of ``groups``). A keyword that no
+    group names raises the TypeError Python raises for a function ``function`` without that parameter (the
+    first such keyword, in call order), so a function taking ``**kwargs`` refuses what it refused before."""
+    for name in kwargs:
+        if not any(name in group for group in groups):
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    return tuple({n: x for n, x in kwargs.items() if n in group} for group in groups)
+
+
+@dataclass(frozen=True, eq=False)
+class Varlen:
+    """Packed sequences (flash-attn's varlen, module docstring): B = 1, the offsets ``cu_seqlens_q/k`` split
+    the sequence axis (both or neither; the backends validate them) and, for the kernel, the longest sequence
+    of each side (None: computed from the offsets, which syncs the device)."""
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+
+
+@dataclass(frozen=True, eq=False)
+class MaskArgs:
+    """One call's mask kwargs (``MASK_KWARGS``, plus ``MAX_SEQLEN_KWARGS`` for the kernel) as the caller gave
+    them. Not validated here: each backend checks them where it always did (``MaskSpec``, ``default_scale``,
+    ``validate_cu_seqlens``), so its errors and their order are those of its former keyword parameters."""
+    scale: Optional[float] = None
+    causal: bool = False
+    causal_align: str = "top_left"
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    varlen: Varlen = Varlen()
+
+    @classmethod
+    def from_kwargs(cls, function: str, kwargs: dict, *, max_seqlen: bool = False) -> "MaskArgs":
+        """The mask kwargs ``kwargs`` of a call of ``function``; any other keyword (``max_seqlen_*`` unless
+        ``max_seqlen``) raises TypeError exactly as Python does for an unknown keyword argument."""
+        mask, varlen = split_keywords(function, kwargs, MASK_KWARGS[:5],
+                                      VARLEN_KWARGS if max_seqlen else VARLEN_KWARGS[:2])
+        return cls(**mask, varlen=Varlen(**varlen))
+
+    def mask_spec(self) -> MaskSpec:
+        """The validated mask (ValueError on a bad alignment, window or softcap)."""
+        return MaskSpec(bool(self.causal), self.causal_align, tuple(self.window), float(self.softcap))
+
+
 @dataclass(frozen=True)
 class Segment:
     """One attention problem inside a (possibly packed) batch."""
