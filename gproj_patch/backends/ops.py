@@ -81,24 +81,25 @@ def _attention_backward_sink_fake(do, q, k, v, o, lse, sink, scale=None, causal=
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                       lse: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
-                       causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                       cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                       max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                       correct: bool = True, deterministic: bool = False, sink: Optional[torch.Tensor] = None):
+                       lse: torch.Tensor, *, correct: bool = True, deterministic: bool = False,
+                       sink: Optional[torch.Tensor] = None, **mask):
     """GProj attention backward (dq, dk, dv) through ``torch.ops.gproj.attention_backward``; with a ``sink``
     (Hq,), (dq, dk, dv, dsink) through ``torch.ops.gproj.attention_backward_sink``.
 
-    See the module docstring and ``triton_bwd.gproj_backward``. ``lse`` may be in any layout
-    ``spec.normalize_lse`` reads; it is normalized to (B, H, Sq) fp32 here (a view where possible).
+    ``mask``: the mask kwargs (``spec.MASK_KWARGS`` and ``spec.MAX_SEQLEN_KWARGS``). See the module docstring
+    and ``triton_bwd.gproj_backward``. ``lse`` may be in any layout ``spec.normalize_lse`` reads; it is
+    normalized to (B, H, Sq) fp32 here (a view where possible).
     """
-    from .spec import normalize_lse
+    from .spec import MaskArgs, normalize_lse
+    args = MaskArgs.from_kwargs("attention_backward", mask, max_seqlen=True)
     lse = normalize_lse(lse, q.shape[0], q.shape[1], q.shape[2])
-    left, right = window
-    kwargs = dict(scale=None if scale is None else float(scale), causal=bool(causal), causal_align=causal_align,
-                  window_left=int(left), window_right=int(right), softcap=float(softcap),
-                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k, correct=bool(correct), deterministic=bool(deterministic))
+    left, right = args.window
+    varlen = args.varlen
+    kwargs = dict(scale=None if args.scale is None else float(args.scale), causal=bool(args.causal),
+                  causal_align=args.causal_align, window_left=int(left), window_right=int(right),
+                  softcap=float(args.softcap), cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k,
+                  max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_k, correct=bool(correct),
+                  deterministic=bool(deterministic))
     if sink is None:
         return torch.ops.gproj.attention_backward(do, q, k, v, o, lse, **kwargs)
     return torch.ops.gproj.attention_backward_sink(do, q, k, v, o, lse, sink, **kwargs)

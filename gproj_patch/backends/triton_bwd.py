@@ -82,13 +82,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Tuple
 
 import torch
 
 from .compat import load_interpreted_module, triton_interpreter_index_patch
-from .spec import (MaskSpec, default_scale, normalize_lse, sink_unsupported_reason, validate_cu_seqlens,
-                   validate_qkv)
+from .spec import (MASK_KWARGS, MAX_SEQLEN_KWARGS, VARLEN_KWARGS, MaskArgs, MaskSpec, Varlen, default_scale,
+                   normalize_lse, sink_unsupported_reason, split_keywords, validate_cu_seqlens, validate_qkv)
 
 try:  # pragma: no cover - import guard
     import triton  # noqa: F401
@@ -229,66 +230,91 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return f"device={q.device.type}"
 
 
+@dataclass(frozen=True, eq=False)
+class KernelOptions:
+    """``gproj_backward``'s choices besides the mask kwargs, each accepted as a keyword of the same name:
+    ``correct`` (False: the same kernels without the projection, for measurement), ``deterministic``
+    (accepted, changes nothing: the kernels use no atomics), ``dk_form`` (None: ``DEFAULT_DK_FORM``),
+    ``kv_major`` (the KV-major launch's kernel), and two overrides for tests and benchmarks: ``_config``
+    ({"dq"|"dkdv": (BLOCK_M, BLOCK_N, warps, stages)}) and ``_gluon_config`` (a ``gluon_bwd.KernelConfig``)."""
+    correct: bool = True
+    deterministic: bool = False
+    dk_form: Optional[str] = None
+    kv_major: Optional[str] = None
+    _config: Optional[dict] = None
+    _gluon_config: Optional[object] = None
+
+
+#: the keywords ``KernelOptions`` is made of
+KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
+
+
 def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
-                   causal_align: str = "top_left", window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                   cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                   max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                   correct: bool = True, deterministic: bool = False, dk_form: Optional[str] = None,
-                   _config: Optional[dict] = None, sink: Optional[torch.Tensor] = None,
-                   kv_major: Optional[str] = None, _gluon_config=None):
+                   lse: torch.Tensor, *, sink: Optional[torch.Tensor] = None, **mask_and_options):
     """GProj backward of attention: (dq, dk, dv) in the input dtype. See the module docstring.
 
     Shapes follow ``spec.py``: q, o, do (B, Hq, Sq, D); k, v (B, Hkv, Sk, D); any strides; lse the
     forward's natural-log LSE in any layout ``spec.normalize_lse`` reads (normally (B, Hq, Sq) fp32).
-    ``dk_form`` ("two_product" | "fused") picks the dk contraction (default ``DEFAULT_DK_FORM``).
-    ``sink`` (Hq,): the learnable sink logits the forward's LSE includes; the result is then (dq, dk, dv,
-    dsink), dsink shaped and typed like ``sink`` (module docstring).
+    ``mask_and_options``: the mask kwargs (``spec.MASK_KWARGS`` and ``spec.MAX_SEQLEN_KWARGS``) and the
+    keywords of ``KernelOptions``. ``dk_form`` ("two_product" | "fused") picks the dk contraction (default
+    ``DEFAULT_DK_FORM``). ``sink`` (Hq,): the learnable sink logits the forward's LSE includes; the result is then
+    (dq, dk, dv, dsink), dsink shaped and typed like ``sink`` (module docstring).
     ``kv_major`` picks the KV-major launch: "gluon" (the warp-specialized sm_90a kernel, ``gluon_bwd``) or "tl"
     (also for None); choosing the faster one per call is the plan's (``plan.kv_major_choice``).
     Raises ValueError when ``kernel_unsupported_reason`` is not None, or "gluon" is asked for and not possible.
     """
-    mask = MaskSpec(causal=bool(causal), causal_align=causal_align, window=tuple(int(w) for w in window),
-                    softcap=float(softcap))
+    mask_kw, option_kw = split_keywords("gproj_backward", mask_and_options, MASK_KWARGS + MAX_SEQLEN_KWARGS,
+                                        KERNEL_OPTIONS)
+    args = MaskArgs.from_kwargs("gproj_backward", mask_kw, max_seqlen=True)
+    options = KernelOptions(**option_kw)
+    mask = MaskSpec(causal=bool(args.causal), causal_align=args.causal_align,
+                    window=tuple(int(w) for w in args.window), softcap=float(args.softcap))
     # an explicit call of the kernel: CPU tensors run through the interpreter (fp16/fp32; its bf16 is refused)
-    reason = kernel_unsupported_reason(q, k, v, softcap=softcap, sink=sink, fp32=q.dtype == torch.float32,
+    reason = kernel_unsupported_reason(q, k, v, softcap=args.softcap, sink=sink, fp32=q.dtype == torch.float32,
                                        cpu_kernel=True)
     if reason is not None:
         raise ValueError(f"gproj_backward cannot run these inputs: {reason}")
     validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
-    kv_major = _checked_kv_major(kv_major, q, k, v, do, mask, cu_seqlens_q, cu_seqlens_k, correct, dk_form)
-    return launch_backward(do, q, k, v, o, lse, scale=scale, mask=mask, cu_seqlens_q=cu_seqlens_q,
-                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           correct=correct, dk_form=dk_form, _config=_config, sink=sink, kv_major=kv_major,
-                           _gluon_config=_gluon_config)
+    kv_major = _checked_kv_major(q, k, v, do, mask, args.varlen, options)
+    return _launch_backward(do, q, k, v, o, lse, scale=args.scale, mask=mask, varlen=args.varlen,
+                            options=replace(options, kv_major=kv_major), sink=sink)
 
 
 def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                    lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec,
-                    cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                    max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                    correct: bool = True, dk_form: Optional[str] = None, _config: Optional[dict] = None,
-                    sink: Optional[torch.Tensor] = None, kv_major: str = "tl", _gluon_config=None):
+                    lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, sink: Optional[torch.Tensor] = None,
+                    **varlen_and_options):
     """``gproj_backward`` for inputs its caller already checked (the router runs a call's plan here: support
     and the KV-major kernel were decided at the forward, ``plan.py``). Decides nothing: the kernels run where
-    the tensors are (compiled on CUDA, interpreted on CPU) with ``kv_major`` as given."""
+    the tensors are (compiled on CUDA, interpreted on CPU) with ``kv_major`` as given ("tl" when not given).
+    ``varlen_and_options``: the keywords of ``spec.Varlen`` and of ``KernelOptions``."""
+    varlen_kw, option_kw = split_keywords("launch_backward", varlen_and_options, VARLEN_KWARGS, KERNEL_OPTIONS)
+    options = KernelOptions(**{"kv_major": "tl", **option_kw})
+    return _launch_backward(do, q, k, v, o, lse, scale=scale, mask=mask, varlen=Varlen(**varlen_kw),
+                            options=options, sink=sink)
+
+
+def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                     lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, varlen: Varlen,
+                     options: KernelOptions, sink: Optional[torch.Tensor]):
+    """``launch_backward`` with its keywords grouped (``gproj_backward`` calls it with the checked options)."""
     B, H, SQ, D = q.shape
     SK = k.shape[2]
     if D < MIN_BLOCK_D:  # zero-padded on the host (see _pad_head_dim); outputs back at width D, like q, k, v
-        grads = launch_backward(
+        padded_kv_major = "tl" if options.kv_major == "gluon" else options.kv_major
+        grads = _launch_backward(
             *(_pad_head_dim(x) for x in (do, q, k, v, o)), lse, scale=default_scale(D, scale), mask=mask,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, correct=correct, dk_form=dk_form, _config=_config, sink=sink,
-            kv_major="tl" if kv_major == "gluon" else kv_major, _gluon_config=_gluon_config)
+            varlen=varlen, options=replace(options, kv_major=padded_kv_major), sink=sink)
         narrow = tuple(torch.empty_like(x).copy_(g[..., :D]) for x, g in zip((q, k, v), grads))
         return narrow + tuple(grads[3:])
+    cu_seqlens_q, cu_seqlens_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+    max_seqlen_q, max_seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     if cu_seqlens_q is not None and B != 1:
         raise ValueError(f"varlen inputs must have batch 1, got {B}")
     if cu_seqlens_q is not None and (max_seqlen_q is None or max_seqlen_k is None or q.device.type == "cpu"):
         validate_cu_seqlens(cu_seqlens_q, cu_seqlens_k, B, SQ, SK)  # syncs; skipped on GPU with max_seqlen
-    dk_form = DEFAULT_DK_FORM if dk_form is None else dk_form
+    dk_form = DEFAULT_DK_FORM if options.dk_form is None else options.dk_form
     if dk_form not in DK_FORMS:
         raise ValueError(f"dk_form must be one of {DK_FORMS}, got {dk_form!r}")
     if o.dtype != q.dtype or do.dtype != q.dtype:
@@ -297,8 +323,8 @@ def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     lse = normalize_lse(lse, B, H, SQ)
 
     interpret = q.device.type != "cuda"
-    varlen = cu_seqlens_q is not None
-    if varlen:
+    packed = cu_seqlens_q is not None
+    if packed:
         cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
         cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
         nseq = cu_q.numel() - 1
@@ -323,7 +349,7 @@ def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if mask.causal:
         right = 0
     BD = block_d(D)
-    cfg = dict(_config or {})
+    cfg = dict(options._config or {})
     if interpret:
         cfg_dq = cfg_dkdv = (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1)
     else:
@@ -333,12 +359,12 @@ def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
     from .triton_launch import Launch, sink_gradient
     job = Launch(
-        do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv, sink=sink, cu_q=cu_q, cu_k=cu_k, varlen=varlen,
+        do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv, sink=sink, cu_q=cu_q, cu_k=cu_k, varlen=packed,
         n_problems=Z, max_q=MQ, max_k=MK, window=(left, right), bottom_right=mask.causal_align == "bottom_right",
-        alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(correct),
+        alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(options.correct),
         fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv,
-        dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32", kv_major=kv_major,
-        gluon_config=_gluon_config)
+        dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32", kv_major=options.kv_major,
+        gluon_config=options._gluon_config)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         target = _launch(_kernels(interpret), interpret, job)
     if sink is None:
@@ -346,11 +372,11 @@ def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, dk, dv, sink_gradient(target.view(B, H, SQ), job)
 
 
-def _checked_kv_major(asked: Optional[str], q, k, v, do, mask: MaskSpec, cu_seqlens_q, cu_seqlens_k,
-                      correct: bool, dk_form: Optional[str]) -> str:
+def _checked_kv_major(q, k, v, do, mask: MaskSpec, varlen: Varlen, options: KernelOptions) -> str:
     """The KV-major kernel of an explicit call: "tl" unless asked for (None and "tl" are the portable kernel);
     "gluon" when ``kv_major_reason`` allows it (ValueError otherwise). No speed preference here: choosing the
     faster kernel per call is the plan's (``plan.py``)."""
+    asked = options.kv_major
     if asked not in KV_MAJOR_KERNELS + (None,):
         raise ValueError(f"kv_major must be one of {KV_MAJOR_KERNELS} or None, got {asked!r}")
     if asked != "gluon":
@@ -359,8 +385,9 @@ def _checked_kv_major(asked: Optional[str], q, k, v, do, mask: MaskSpec, cu_seql
     # (backends/ops.py) while gluon_bwd is still initializing
     from .gluon_bwd import kv_major_reason
     reason = kv_major_reason(q, k, v, do=do if do.dtype == q.dtype else None, window=mask.window,
-                             softcap=mask.softcap, varlen=cu_seqlens_q is not None or cu_seqlens_k is not None,
-                             correct=correct, dk_form=dk_form)
+                             softcap=mask.softcap,
+                             varlen=varlen.cu_seqlens_q is not None or varlen.cu_seqlens_k is not None,
+                             correct=options.correct, dk_form=options.dk_form)
     if reason is not None:
         raise ValueError(f"kv_major='gluon' cannot run these inputs: {reason}")
     return "gluon"

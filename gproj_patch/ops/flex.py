@@ -117,8 +117,8 @@ def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_
     if not needs_correction(query, key, value, cfg.mode):
         return passthrough()
     if torch.compiler.is_compiling():
-        return compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
-                             kernel_options, return_aux, caller=caller, forward_fn=fwd, cfg=cfg,
+        call = FlexCall(score_mod, block_mask, scale, bool(enable_gqa), kernel_options, fwd, caller.forward_lse)
+        return compiled_flex(query, key, value, call, return_lse, return_aux, caller=caller, cfg=cfg,
                              passthrough=passthrough)
     reason = unsupported_reason(query, key, value, block_mask, enable_gqa, return_lse, return_aux)
     softcap = 0.0

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -40,6 +40,9 @@ from ..state import STATE
 from .flex_call import OWN_FORWARD, SOURCE, Caller, problem_for, routed_backward, unsupported_reason
 from .flex_masks import (INCONSISTENT, NO_MASK, BlockMaps, BlockStructure, MaskVerdict, Rows, classify,
                          evaluate_chunk, grid, structure_reason)
+
+if TYPE_CHECKING:  # annotations only: ops/flex.py imports this module
+    from .flex import FlexCall
 
 STAND_IN_REASON = "flex under torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in"
 MAX_COMPILED_MASK_ELEMENTS = 1 << 28  # b·h·Sq·Sk mask_mod evaluations in one compiled forward
@@ -155,17 +158,20 @@ def _(do, q, k, v, out, lse, aux, lo, hi, cnt, violation, scale, softcap):
 
 class _CompiledFlexFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, forward_fn, softcap, layer,
-                mode):
+    def forward(ctx, q, k, v, call: FlexCall, softcap, layer, mode):
+        """``call``: the original call's arguments and forward (its ``forward_lse`` is not read here: the LSE is
+        asked for on CUDA); ``softcap``, ``layer``, ``mode``: what the record is made of."""
+        block_mask, scale = call.block_mask, call.scale
         want_lse = q.device.type == "cuda"
-        kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                      kernel_options=kernel_options)
+        kwargs = dict(score_mod=call.score_mod, block_mask=block_mask, scale=scale, enable_gqa=call.enable_gqa,
+                      kernel_options=call.kernel_options)
         if want_lse:
             from torch.nn.attention.flex_attention import AuxRequest
-            out, aux_out = forward_fn(q.detach(), k.detach(), v.detach(), return_aux=AuxRequest(lse=True), **kwargs)
+            out, aux_out = call.forward_fn(q.detach(), k.detach(), v.detach(), return_aux=AuxRequest(lse=True),
+                                           **kwargs)
             lse = aux_out.lse
         else:
-            out = forward_fn(q.detach(), k.detach(), v.detach(), **kwargs)
+            out = call.forward_fn(q.detach(), k.detach(), v.detach(), **kwargs)
             lse = q.new_empty((0,), dtype=torch.float32)
         summary = (None,) * 4 if block_mask is None else \
             _mask_summary(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
@@ -178,7 +184,7 @@ class _CompiledFlexFunction(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse, aux, *summary = ctx.saved_tensors
         dq, dk, dv = _flex_bwd(do, q, k, v, out, lse, aux, *summary, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _compiled_reason(q, k, score_mod, block_mask, declared_softcap) -> Optional[str]:
@@ -198,15 +204,15 @@ def _compiled_reason(q, k, score_mod, block_mask, declared_softcap) -> Optional[
     return None
 
 
-def compiled_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
-                  return_aux, *, caller: Caller, forward_fn, cfg: Config, passthrough):
-    """``flex.flex`` inside a compiled region (module docstring); ``forward_fn``: the forward it resolved."""
-    reason = unsupported_reason(query, key, value, block_mask, enable_gqa, return_lse, return_aux)
+def compiled_flex(query, key, value, call: FlexCall, return_lse, return_aux, *, caller: Caller, cfg: Config,
+                  passthrough):
+    """``flex.flex`` inside a compiled region (module docstring); ``call``: the call's arguments and the forward
+    ``flex`` resolved; ``return_lse``/``return_aux``: what the caller asked for besides the output."""
+    reason = unsupported_reason(query, key, value, call.block_mask, call.enable_gqa, return_lse, return_aux)
     if reason is None:
-        reason = _compiled_reason(query, key, score_mod, block_mask, caller.declared_softcap)
+        reason = _compiled_reason(query, key, call.score_mod, call.block_mask, caller.declared_softcap)
     if reason is not None:
         _note_trace_reason(reason)
         return passthrough()
     softcap = 0.0 if caller.declared_softcap is None else float(caller.declared_softcap)
-    return _CompiledFlexFunction.apply(query, key, value, score_mod, block_mask, scale, bool(enable_gqa),
-                                       kernel_options, forward_fn, softcap, caller.layer or "", cfg.mode)
+    return _CompiledFlexFunction.apply(query, key, value, call, softcap, caller.layer or "", cfg.mode)
