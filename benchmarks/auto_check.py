@@ -39,9 +39,10 @@ import torch.nn.functional as F
 import transformers
 
 import gproj_patch
-from gproj_patch import detector, policy
+from gproj_patch.policy import detector
+from gproj_patch import policy
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.layer_tracking import track_layers
+from gproj_patch.layers.tracking import track_layers
 
 
 def build(args, drive_layer=None):

@@ -19,9 +19,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gproj_patch import detector  # noqa: E402
+from gproj_patch.policy import detector  # noqa: E402
 from gproj_patch.backends import detector_kernel  # noqa: E402
-from gproj_patch.state import STATE  # noqa: E402
+from gproj_patch.runtime.state import STATE  # noqa: E402
 
 B, H, S, D = 2, 16, 4096, 128
 ROWS = detector.DEFAULT_MAX_ROWS

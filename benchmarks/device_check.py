@@ -171,8 +171,8 @@ def time_shape(B, H, S, D, causal, hkv=None, cfg=None, fp32_tier=True):
     o, lse = saved_forward(q, k, v, causal)
     # "gproj": the KV-major kernel the patch's plan picks for this call (Gluon at D=128 on sm_90, else tl);
     # "gproj_tl": the portable tl kernel for both launches
-    from gproj_patch.plan import ForwardTensors, kv_major_choice
-    from gproj_patch.record import Problem
+    from gproj_patch.dispatch.plan import ForwardTensors, kv_major_choice
+    from gproj_patch.dispatch.record import Problem
     routed = kv_major_choice(ForwardTensors(q, k, v, o, lse), Problem(scale=D ** -0.5, causal=causal), "auto")[0]
     res["kv_major"] = routed
     for tag, extra in (("gproj", dict(kv_major=routed)), ("gproj_tl", dict(kv_major="tl")),

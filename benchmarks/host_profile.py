@@ -17,7 +17,7 @@ FP16, causal: CPU compute ~170 µs a call, the H200 benchmark's 1·2·128·64 co
                     (``triton_bwd._launch``) are stubbed. CPU tensors take its interpreter branch (block sizes
                     fixed, no CUDA config lookup); on CUDA the launches' own Python (~45 µs each) adds to it.
 
-MEASUREMENT HARNESS, not package behaviour: inside this script only, ``gproj_patch.router._run_kernel`` and
+MEASUREMENT HARNESS, not package behaviour: inside this script only, ``gproj_patch.dispatch.router._run_kernel`` and
 ``_run_fp32`` are replaced by stubs returning zero gradients (no Triton launch, no FP32 recompute; in
 ``gproj-host`` only ``triton_bwd._launch`` is: the gradients are then uninitialised memory), and
 ``GPROJ_TIER=triton`` makes the kernel tier choosable for CPU FP16 tensors (as the tests do). What the patched arms
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import gproj_patch  # noqa: E402
-from gproj_patch import router  # noqa: E402
+from gproj_patch.dispatch import router  # noqa: E402
 from gproj_patch.backends import triton_bwd  # noqa: E402
 
 ARMS = ("unpatched", "floor", "gproj", "auto", "auto-gproj", "gproj-host")

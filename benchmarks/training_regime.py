@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import gproj_patch  # noqa: E402
 from gproj_patch import policy  # noqa: E402
-from gproj_patch.layer_tracking import track_layers  # noqa: E402
+from gproj_patch.layers.tracking import track_layers  # noqa: E402
 
 import training_regime_data as data  # noqa: E402
 from training_regime_model import (ARM_MODES, SMALL, RunConfig, build_model, induce_key_offset,  # noqa: E402

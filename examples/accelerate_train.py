@@ -36,7 +36,7 @@ def main(argv=None):
     acc = Accelerator(cpu=not torch.cuda.is_available())
     model = build_model(drive_layer=args.drive_layer)
     if args.name_layers:
-        from gproj_patch.layer_tracking import track_layers
+        from gproj_patch.layers.tracking import track_layers
         track_layers(model)
     data = torch.utils.data.DataLoader(RandomTokens(args.steps * args.batch * acc.num_processes, args.seq, 256),
                                        batch_size=args.batch)

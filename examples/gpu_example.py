@@ -17,7 +17,7 @@ import torch
 
 import gproj_patch
 from gproj_patch import policy
-from gproj_patch.layer_tracking import track_layers
+from gproj_patch.layers.tracking import track_layers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_tiny_llama import build_model  # noqa: E402

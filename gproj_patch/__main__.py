@@ -14,7 +14,7 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from . import __version__
+    from .version import __version__
     from .audit import cli as audit
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -2,7 +2,7 @@
 import pytest
 
 import gproj_patch
-from gproj_patch import config
+from gproj_patch.runtime import config
 from gproj_patch.audit.run import torch_threads
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from .cases import select_cases
 from .plugin import LAYOUTS, plugin_backend
 from .run import DTYPES, criteria, finite_json, plugin_checks, run_case, torch_threads

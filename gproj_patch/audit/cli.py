@@ -83,7 +83,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from .backends import Backend, available_backends
 from .cases import Case, select_cases
 from .plugin import LAYOUTS, PluginError, load_backend

@@ -61,14 +61,14 @@ def hf_eager_math(q, k, v, sink, *, scale, mask, softcap):
 
 def eager_run(corrected: bool):
     def run(inp: CaseInputs, k: torch.Tensor, saved):
-        from ..config import Config
+        from ..runtime.config import Config
         from ..ops import hf_eager as op
         q, kk, v = (x.detach().clone().requires_grad_(True) for x in (inp.q, k, inp.v))
         scale = default_scale(q.shape[-1], inp.mask.get("scale"))
         mask, softcap = _additive_mask(inp), float(inp.mask.get("softcap", 0.0))
         kwargs = dict(scale=scale, mask=mask, softcap=softcap)
         if corrected:
-            from .. import config
+            from ..runtime import config
             call = op.EagerCall(fn=lambda a, b, c, s: hf_eager_math(a, b, c, s, **kwargs), scale=scale, mask=mask,
                                 softcap=softcap, source="audit:hf_eager")
             previous = config.active()

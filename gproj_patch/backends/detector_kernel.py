@@ -1,4 +1,4 @@
-"""The large-key detector's statistics (``gproj_patch/detector.py``) as two Triton launches over the sampled rows.
+"""The large-key detector's statistics (``gproj_patch/policy/detector.py``) as two Triton launches over the sampled rows.
 
 Inputs are read in place: q (B, Hq, Sq, D) and k (B, Hkv, Sk, D) with any strides, and the LSE as
 ``spec.normalize_lse`` yields it (B, Hq, Sq) fp32 with any strides. Sample row r of a sequence of length S is

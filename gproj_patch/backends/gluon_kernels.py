@@ -28,8 +28,8 @@ inside one CTA, so results are bitwise deterministic.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
 #: keys a consumer warpgroup owns (the wgmma M of one warpgroup)
 KEYS_PER_WG = gl.constexpr(64)

@@ -6,6 +6,7 @@ into each launch's keyword arguments (the one place that knows the kernels' para
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -59,7 +60,7 @@ def sink_gradient(target: torch.Tensor, job: Launch) -> torch.Tensor:
 #: log2(e): the kernels work in base 2 (scale_log2 = α·log2 e; softcap: cap_out = c·log2 e)
 LOG2_E = math.log2(math.e)
 #: the kernel of each launch in ``triton_kernels``
-KERNELS = {"dq": "_bwd_dq", "dkdv": "_bwd_dkdv"}
+KERNELS = MappingProxyType({"dq": "_bwd_dq", "dkdv": "_bwd_dkdv"})
 
 
 @dataclass(frozen=True)

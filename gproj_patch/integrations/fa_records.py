@@ -29,9 +29,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import telemetry
-from ..plan import ForwardTensors, make_plan
-from ..record import CallRecord, Problem, make_context
+from ..runtime import telemetry
+from ..dispatch.plan import ForwardTensors, make_plan
+from ..dispatch.record import CallRecord, Problem, make_context
 
 SINK_DTYPE = torch.float32  # the sink as the GProj tiers take it (exact for FA4's fp16/bf16/fp32 sinks)
 NO_RECORD_REASON = ("flash-attn: no forward record for this backward (forward ran before enable() or through an "

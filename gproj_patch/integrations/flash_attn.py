@@ -52,10 +52,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import config, telemetry
+from ..runtime import config, telemetry
 from ..backends import compat
 from ..backends.spec import sink_unsupported_reason
-from ..router import BackwardTensors, run_backward
+from ..dispatch.router import BackwardTensors, run_backward
 from . import fa_records
 
 logger = logging.getLogger("gproj_patch")

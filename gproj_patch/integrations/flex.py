@@ -31,11 +31,12 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from .. import config as _config
-from .. import telemetry
+from ..runtime import config as _config
+from ..runtime import telemetry
 from ..backends import compat
-from ..layer_context import module_layer
-from . import flex_reach, restore_by_identity
+from ..layers.scope import module_layer
+from . import flex_reach
+from .restore import restore_by_identity
 from ..ops import flex as flex_op
 from .flex_reach import flex_attention  # noqa: F401 - the hook's flex_attention (public)
 
@@ -143,7 +144,7 @@ def install() -> str:
 
     # the compiled path must be loaded before any compiled region traces the hook, but it imports Dynamo (about
     # 1.3 s): load it when Dynamo is imported (torch.compile does that first), not at every enable()
-    from ..import_hooks import call_after_import
+    from ..runtime.import_hooks import call_after_import
     call_after_import(compat.dynamo_module_name(), _load_compiled_path)
     reach = INSTALLED.reach = flex_reach.install(fa_module, _module_globals_holding)
     flex_op.set_original(reach.original)

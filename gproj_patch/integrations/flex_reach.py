@@ -122,7 +122,7 @@ def uninstall(fa_module: types.ModuleType, reach: Reach) -> bool:
     """Undo ``install()`` by identity: the original code goes back only where the swapped code still sits, the
     module attribute only where this hook's function still sits. True when restored."""
     if not reach.swapped:
-        from . import restore_by_identity
+        from .restore import restore_by_identity
         return restore_by_identity(vars(fa_module), "flex_attention", flex_attention, reach.function, ATTRIBUTE)
     if reach.function.__code__ is TRAMPOLINE_CODE:
         reach.function.__code__ = reach.original_code

@@ -34,11 +34,12 @@ import os
 import sys
 import threading
 import weakref
+from types import MappingProxyType
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..layer_context import module_layer_name
-from . import restore_by_identity
+from ..layers.scope import module_layer_name
+from .restore import restore_by_identity
 
 logger = logging.getLogger("gproj_patch")
 
@@ -52,9 +53,19 @@ INERT_TENSOR_KWARGS = ("position_ids", "cache_position", "cu_seq_lens_q", "cu_se
 ROUTED_PARAMETERS = ("scaling", "dropout", "softcap")
 
 _lock = threading.RLock()
-_patched: List[Tuple[object, Callable, Callable]] = []   # (module, original, wrapper)
-_pending: List[object] = []                              # import_hooks.AfterImport handles
-_installed = False
+
+
+class _Installed:
+    """What ``install()`` did, for ``uninstall()`` (hook bookkeeping, not runtime statistics): one instance,
+    mutated under ``_lock``, never re-bound."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.patched: List[Tuple[object, Callable, Callable]] = []  # (module, original, wrapper)
+        self.pending: List[object] = []                             # import_hooks.AfterImport handles
+
+
+INSTALLED = _Installed()
 
 
 # --------------------------------------------------------------------------------------------- the probe
@@ -66,9 +77,11 @@ class EagerForm:
     softcap: str
 
 
-_forms: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # function -> EagerForm or reason (str)
+#: bounded cache: each eager function's probed form (or why it has none), dropped with the function (weak keys):
+#: at most one entry per live modeling module's eager_attention_forward
+_forms: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-PROBE_SHAPE = dict(batch=2, heads=4, kv_heads=2, sq=5, sk=7, dim=8)
+PROBE_SHAPE = MappingProxyType(dict(batch=2, heads=4, kv_heads=2, sq=5, sk=7, dim=8))
 PROBE_SCALE = 0.3
 PROBE_SOFTCAP = 1.5
 PROBE_TOLERANCE = 1e-5     # eager softmaxes in fp32: the fp64 probe agrees to fp32's precision
@@ -175,6 +188,7 @@ class _Bound:
     others: Dict[str, object]   # every other argument given (explicit or in **kwargs)
 
 
+#: bounded cache: each eager function's signature, dropped with the function (weak keys)
 _signatures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -251,7 +265,7 @@ def unsupported_reason(fn, b: _Bound) -> Optional[str]:
 def eager_call(fn, args, kwargs):
     """One call of the wrapped eager function ``fn``: the original, or the same forward with the corrected
     backward."""
-    from .. import config, telemetry
+    from ..runtime import config, telemetry
     from ..ops import hf_eager as op
     import torch
     cfg = config.active()
@@ -302,11 +316,11 @@ def _patch_module(name: str) -> None:
     if module is None or not callable(fn) or hasattr(fn, "__gproj_original__"):
         return
     with _lock:
-        if not _installed:
+        if not INSTALLED.on:
             return
         wrapper = _wrap(fn)
         setattr(module, ATTRIBUTE, wrapper)
-        _patched.append((module, fn, wrapper))
+        INSTALLED.patched.append((module, fn, wrapper))
 
 
 def _is_modeling(name: str) -> bool:
@@ -340,52 +354,50 @@ def install() -> str:
     is imported. Armed once ``transformers.modeling_utils`` is imported (every modeling module imports it
     first): a process that never imports HF's modeling code pays nothing; one that does pays one pending
     after-import callback per modeling module (measured: about 0.1 ms per later import, 539 names)."""
-    global _installed
-    from ..import_hooks import call_after_import
+    from ..runtime.import_hooks import call_after_import
     with _lock:
-        if _installed:
+        if INSTALLED.on:
             return "installed"
         try:
             if importlib.util.find_spec("transformers") is None:
                 return "skipped: transformers not installed"
         except (ImportError, ValueError) as exc:
             return f"skipped: transformers not importable ({exc})"
-        _installed = True
+        INSTALLED.on = True
         hook = call_after_import(MODELING_UTILS, _arm)
         if hook is not None:
-            _pending.append(hook)
+            INSTALLED.pending.append(hook)
     return "installed"
 
 
 def _arm() -> None:
     """Wrap the modeling modules imported so far; watch every other one (``call_after_import`` also waits for
     a module whose import is still running, e.g. the one that imported ``modeling_utils``)."""
-    from ..import_hooks import call_after_import
+    from ..runtime.import_hooks import call_after_import
     with _lock:
-        if not _installed:
+        if not INSTALLED.on:
             return
         loaded = [n for n in list(sys.modules) if _is_modeling(n)]
         for name in dict.fromkeys(loaded + modeling_module_names()):
             hook = call_after_import(name, functools.partial(_patch_module, name))
             if hook is not None:
-                _pending.append(hook)
+                INSTALLED.pending.append(hook)
 
 
 def uninstall() -> None:
     """Restore every wrapped global by identity (where it still holds our wrapper); withdraw pending hooks."""
-    global _installed
     with _lock:
-        _installed = False
-        for hook in _pending:
+        INSTALLED.on = False
+        for hook in INSTALLED.pending:
             hook.cancel()
-        _pending.clear()
-        for module, original, wrapper in reversed(_patched):
+        INSTALLED.pending.clear()
+        for module, original, wrapper in reversed(INSTALLED.patched):
             restore_by_identity(vars(module), ATTRIBUTE, wrapper, original,
                                 where=f"{module.__name__}.{ATTRIBUTE}", change="rebound")
-        _patched.clear()
+        INSTALLED.patched.clear()
 
 
 def patched_modules() -> List[str]:
     """Names of the modules whose eager function is wrapped now."""
     with _lock:
-        return [m.__name__ for m, _, w in _patched if getattr(m, ATTRIBUTE, None) is w]
+        return [m.__name__ for m, _, w in INSTALLED.patched if getattr(m, ATTRIBUTE, None) is w]

@@ -20,8 +20,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, List, Tuple
 
-from ..layer_context import call_in_module_layer
-from . import restore_by_identity
+from ..layers.scope import call_in_module_layer
+from .restore import restore_by_identity
 
 #: marks a naming wrapper (its value: the wrapped function)
 ORIGINAL = "__gproj_named__"

@@ -47,10 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function
 
-from .. import telemetry
+from ..runtime import telemetry
 from ..backends import compat
-from ..state import STATE
-from . import restore_by_identity
+from ..runtime.state import STATE
+from .restore import restore_by_identity
 from ..ops import sdpa as sdpa_op
 
 logger = logging.getLogger("gproj_patch")

@@ -23,7 +23,7 @@ path is refused with exit status 2, never created; ``--install --user`` creates 
 Python reads once it exists), and ``import gproj_patch.integrations.startup as s; s.process_startup()`` at the
 top of a script does the same by hand.
 
-``torch`` is watched with ``gproj_patch.import_hooks``: probing for it (``importlib.util.find_spec("torch")``,
+``torch`` is watched with ``gproj_patch.runtime.import_hooks``: probing for it (``importlib.util.find_spec("torch")``,
 as ``transformers`` and others do at import) does not consume the hook, so any import order works.
 The hook does nothing under ``python -S`` / ``-I`` (site disabled), which is Python's rule for all .pth files.
 """
@@ -93,7 +93,7 @@ def flag_value(environ=None) -> bool:
 
 def check_environment(environ=None) -> None:
     """Parse every GPROJ_* option of the patch and the policy (no torch import); ValueError on a bad one."""
-    from .. import config
+    from ..runtime import config
     config.check_environment(environ)
 
 
@@ -115,7 +115,7 @@ def process_startup(environ=None) -> Optional[Any]:
             _fail(f"{FLAG}=1 but the environment is invalid: {exc}")
         if "torch" in sys.modules:
             return _enable()
-        from ..import_hooks import call_after_import
+        from ..runtime.import_hooks import call_after_import
         STATUS.state = "waiting for torch"
         call_after_import("torch", _enable)
         return None
@@ -123,8 +123,8 @@ def process_startup(environ=None) -> Optional[Any]:
 
 def _enable():
     try:
-        import gproj_patch
-        handle = gproj_patch.enable()
+        from .. import patch
+        handle = patch.enable()
     except Exception as exc:  # noqa: BLE001 - everything here is a start-up failure the user must see
         _fail(f"{FLAG}=1 but gproj_patch.enable() failed: {type(exc).__name__}: {exc}")
     STATUS.state, STATUS.handle = "enabled", handle

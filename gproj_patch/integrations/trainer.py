@@ -63,7 +63,7 @@ class GProjCallback(TrainerCallback):
         ``options``: passed to ``gproj_patch.enable()`` (policy options such as ``sample_every=10``,
         ``gproj_enter=0.01`` included). Every option is validated here (``ValueError`` naming it), not when the
         Trainer first enables the patch."""
-        from .. import config
+        from ..runtime import config
         config.resolve(mode=mode, **options)  # raises now on a bad or unknown option
         self.mode = mode
         self.options = options
@@ -95,14 +95,14 @@ class GProjCallback(TrainerCallback):
             frame = frame.f_back
 
     def _setup(self, model) -> None:
-        import gproj_patch
+        from .. import patch as gproj_patch  # enable/stats (the package re-exports them; no upward import)
         if self.handle is None:
             kwargs = dict(self.options)
             if self.mode is not None:
                 kwargs["mode"] = self.mode
             self.handle = gproj_patch.enable(**kwargs)
         if self.track and self.tracking is None and model is not None:
-            from ..layer_tracking import track_layers
+            from ..layers.tracking import track_layers
             self.tracking = track_layers(model)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
@@ -144,7 +144,7 @@ class GProjCallback(TrainerCallback):
     # --- logging -------------------------------------------------------------------------------------------
     def metrics(self) -> Dict[str, float]:
         """The ``gproj/...`` values this callback adds to a log (counts are deltas since the previous call)."""
-        import gproj_patch
+        from .. import patch as gproj_patch
         p = self.prefix
         out: Dict[str, float] = {}
         if self.log_layers and _policy.stats():  # per-layer tiers exist only where the policy keeps records

@@ -32,14 +32,15 @@ from typing import Optional
 
 import torch
 
-from .. import telemetry
+from ..runtime import telemetry
 from ..backends import compat
 from ..backends.spec import SINK_SOFTCAP_REASON
-from ..layer_context import module_layer_name
+from ..layers.scope import module_layer_name
 from ..ops import attention_sink
 from ..ops import hf_eager as eager_op
 from ..ops import sdpa as sdpa_op
-from . import ABSENT, hf_layer_names, restore_by_identity
+from . import hf_layer_names
+from .restore import ABSENT, restore_by_identity
 
 logger = logging.getLogger("gproj_patch")
 
@@ -47,8 +48,15 @@ NAME = "gproj"
 #: the label of this path's calls in fallback reasons and shape classes (its softcap and sink forms:
 #: "hf_gproj_softcap", "hf_gproj_sink")
 SOURCE = "hf_gproj"
-_saved: Optional[dict] = None  # {"attention": previous or ABSENT, "mask": previous or ABSENT, "named": wrapped}
-_pending = None  # the import hook waiting for transformers.modeling_utils, when registration is deferred
+
+
+class _Installed:
+    """What ``install()`` did, for ``uninstall()`` (hook bookkeeping): one instance, mutated, never re-bound."""
+    saved: Optional[dict] = None  # {"attention": previous or ABSENT, "mask": previous or ABSENT, "named": wrapped}
+    pending = None  # the import hook waiting for transformers.modeling_utils, when registration is deferred
+
+
+INSTALLED = _Installed()
 
 
 def _causal(module, query, attention_mask, is_causal) -> bool:
@@ -138,10 +146,9 @@ def _softcap_forward(module, query, key, value, attention_mask, dropout, scaling
 def install() -> str:
     """Register "gproj" now if Transformers' modeling code is loaded, else right after it is imported (so a
     process that never builds an HF model — a data worker, a compile worker — never imports Transformers)."""
-    global _pending
-    if _saved is not None or _pending is not None:
+    if INSTALLED.saved is not None or INSTALLED.pending is not None:
         return "installed"
-    from ..import_hooks import call_after_import, imported
+    from ..runtime.import_hooks import call_after_import, imported
     if imported("transformers.modeling_utils"):  # in sys.modules but still executing does not count
         return _register()
     try:
@@ -149,45 +156,43 @@ def install() -> str:
             return "skipped: transformers not installed"
     except (ImportError, ValueError) as exc:
         return f"skipped: transformers not importable ({exc})"
-    _pending = call_after_import("transformers.modeling_utils", _register_on_import)
+    INSTALLED.pending = call_after_import("transformers.modeling_utils", _register_on_import)
     return "installed (registers when transformers.modeling_utils is imported)"
 
 
 def _register_on_import() -> None:
-    global _pending
-    _pending = None
+    INSTALLED.pending = None
     status = _register()
     if not status.startswith("installed"):
         logger.warning("could not register the 'gproj' attention: %s", status)
 
 
 def _register() -> str:
-    global _saved
     try:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
         from transformers.modeling_utils import AttentionInterface
     except ImportError as exc:
         return f"skipped: transformers not importable ({exc})"
-    _saved = {"attention": compat.hf_registry_mapping(AttentionInterface).get(NAME, ABSENT),
-              "mask": compat.hf_registry_mapping(AttentionMaskInterface).get(NAME, ABSENT)}
+    saved = INSTALLED.saved = {"attention": compat.hf_registry_mapping(AttentionInterface).get(NAME, ABSENT),
+                               "mask": compat.hf_registry_mapping(AttentionMaskInterface).get(NAME, ABSENT)}
     AttentionInterface.register(NAME, gproj_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
-    _saved["named"] = hf_layer_names.wrap(compat.hf_registry_mapping(AttentionInterface), skip=(NAME,))
+    saved["named"] = hf_layer_names.wrap(compat.hf_registry_mapping(AttentionInterface), skip=(NAME,))
     return "installed"
 
 
 def uninstall() -> None:
-    global _saved, _pending
-    if _pending is not None:
-        _pending.cancel()
-        _pending = None
-    if _saved is None:
+    if INSTALLED.pending is not None:
+        INSTALLED.pending.cancel()
+        INSTALLED.pending = None
+    saved = INSTALLED.saved
+    if saved is None:
         return
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
-    hf_layer_names.unwrap(compat.hf_registry_mapping(AttentionInterface), _saved["named"])
+    hf_layer_names.unwrap(compat.hf_registry_mapping(AttentionInterface), saved["named"])
     for registry, key, ours in ((AttentionInterface, "attention", gproj_attention_forward),
                                 (AttentionMaskInterface, "mask", sdpa_mask)):
-        restore_by_identity(compat.hf_registry_mapping(registry), NAME, ours, _saved[key],
+        restore_by_identity(compat.hf_registry_mapping(registry), NAME, ours, saved[key],
                             where=f"transformers' {registry.__name__}[{NAME!r}]", change="registered again")
-    _saved = None
+    INSTALLED.saved = None

@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import telemetry
+from ..runtime import telemetry
 from . import hf_eager
 
 SOURCE = "hf_gproj_sink"

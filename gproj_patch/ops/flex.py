@@ -28,16 +28,16 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import telemetry
+from ..runtime import telemetry
 from ..backends.spec import LOW_PRECISION
-from ..config import POLICY_MODES, Config
-from ..plan import ForwardTensors, make_plan
-from ..record import CallRecord, make_context
-from ..router import graph_backward
+from ..runtime.config import POLICY_MODES, Config
+from ..dispatch.plan import ForwardTensors, make_plan
+from ..dispatch.record import CallRecord, make_context
+from ..dispatch.router import graph_backward
 from .flex_masks import NO_MASK
-from .flex_call import (FLEX_ATTENTION, NO_FLEX_BACKWARD, OWN_FORWARD, SLICED_MASK_MOD, SOURCE,  # noqa: F401
-                        Caller, mask_verdict, original_flex, problem_for, routed_backward, score_mod_softcap,
-                        set_original, softcap_score_mod, unsupported_reason)
+from .flex_call import (FLEX_ATTENTION, NO_FLEX_BACKWARD, OWN_FORWARD, SLICED_MASK_MOD, SOURCE, Caller, mask_verdict,
+                        original_flex, problem_for, routed_backward, score_mod_softcap, set_original,
+                        softcap_score_mod, unsupported_reason)
 from .flex_compiled import compiled_flex
 from .sdpa_call import detach_pack, identity_unpack
 
@@ -107,7 +107,7 @@ def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_
          kernel_options=None, *, return_aux=None, caller: Caller = FLEX_ATTENTION, cfg: Optional[Config] = None):
     """``flex_attention``'s semantics; the corrected backward where it is exact (module docstring). ``caller``:
     see ``Caller``; ``cfg``: the options when the patch is not enabled (the audit)."""
-    from .. import config
+    from ..runtime import config
     cfg = config.active() or cfg or DEFAULT_CONFIG
     fwd = caller.forward_fn or original_flex()
 

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from ..backends.compat import FLEX_SLICED_MASK_MOD, flex_identity_score_mod
 from ..backends.spec import default_scale
-from ..record import CallRecord, Problem
-from ..router import BackwardTensors, run_backward
+from ..dispatch.record import CallRecord, Problem
+from ..dispatch.router import BackwardTensors, run_backward
 from .flex_masks import NO_MASK, BlockStructure, MaskVerdict, analyse
 
 SOURCE = "flex"

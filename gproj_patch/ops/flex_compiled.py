@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import telemetry
+from ..runtime import telemetry
 from ..backends.compat import assume_constant_result, flex_identity_score_mod
-from ..config import Config
-from ..plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
-from ..record import CallRecord, Context, make_context
-from ..state import STATE
+from ..runtime.config import Config
+from ..dispatch.plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
+from ..dispatch.record import CallRecord, Context, make_context
+from ..runtime.state import STATE
 from .flex_call import OWN_FORWARD, SOURCE, Caller, problem_for, routed_backward, unsupported_reason
 from .flex_masks import (INCONSISTENT, NO_MASK, BlockMaps, BlockStructure, MaskVerdict, Rows, classify,
                          evaluate_chunk, grid, structure_reason)
@@ -99,7 +99,7 @@ def _flex_context(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lo:
                   hi: Optional[Tensor], cnt: Optional[Tensor], violation: Optional[Tensor], scale: Optional[float],
                   softcap: float, layer: str, mode: str) -> Tensor:
     """The call's record and plan, made at the forward (at run time: never a graph constant or a guard)."""
-    from .. import config
+    from ..runtime import config
     cfg = config.active() or config.resolve(mode=mode)
     context = make_context(SOURCE, layer or None, cfg)
     verdict = _verdict(q, k, lo, hi, cnt, violation)

@@ -30,12 +30,12 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import telemetry
+from ..runtime import telemetry
 from ..backends.spec import LOW_PRECISION
-from ..layer_context import backward_ran
-from ..plan import ForwardTensors, make_plan
-from ..record import CallRecord, Problem, make_context
-from ..router import BackwardTensors, run_backward
+from ..layers.scope import backward_ran
+from ..dispatch.plan import ForwardTensors, make_plan
+from ..dispatch.record import CallRecord, Problem, make_context
+from ..dispatch.router import BackwardTensors, run_backward
 from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 
 #: an additive mask value at or below this hides its key: HF uses the dtype's minimum (−65504 for FP16 models,

@@ -151,8 +151,8 @@ def packed_call(pad: PackedPadding, problem, *, do: Tensor, q: Tensor, k: Tensor
                 lse: Optional[Tensor]):
     """(BackwardTensors, Problem) of a padded call as its packed varlen problem (``router.run_backward`` takes
     them; ``unpack_grads`` brings the gradients back). ``problem`` keeps its scale, softcap and sink."""
-    from ..record import Problem
-    from ..router import BackwardTensors
+    from ..dispatch.record import Problem
+    from ..dispatch.router import BackwardTensors
     packed_lse = None
     if lse is not None:
         from ..backends.spec import normalize_lse

@@ -21,16 +21,16 @@ from typing import Optional
 
 import torch
 
-from .. import config as _config, policy, telemetry
+from ..runtime import config as _config, telemetry
+from .. import policy
 from ..backends.spec import LOW_PRECISION
-from ..config import POLICY_MODES, Config
-from ..layer_context import backward_ran, traced_layer
-from ..plan import ForwardTensors, make_plan
-from ..record import CallRecord, make_context
-from ..router import graph_backward, run_backward
+from ..runtime.config import POLICY_MODES, Config
+from ..layers.scope import backward_ran, traced_layer
+from ..dispatch.plan import ForwardTensors, make_plan
+from ..dispatch.record import CallRecord, make_context
+from ..dispatch.router import graph_backward, run_backward
 from .masks import packed_call, padding_as_varlen, unpack_grads
-from .sdpa_call import (C_SDPA, backward_tensors, original_sdpa, problem_for, run_original_with_lse,  # noqa: F401
-                        set_original)
+from .sdpa_call import C_SDPA, backward_tensors, original_sdpa, problem_for, run_original_with_lse, set_original
 from .sdpa_compiled import compiled_sdpa
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -12,8 +12,8 @@ from torch import Tensor
 
 from ..backends.compat import BUILTIN_SDPA, fused_sdpa_lse
 from ..backends.spec import default_scale
-from ..record import CallRecord, Problem
-from ..router import BackwardTensors
+from ..dispatch.record import CallRecord, Problem
+from ..dispatch.router import BackwardTensors
 from .masks import mask_as_flags, padding_as_flags
 
 C_SDPA = BUILTIN_SDPA  # the C builtin (compat)

@@ -18,11 +18,11 @@ import torch
 from torch import Tensor
 
 from ..backends.spec import default_scale
-from ..config import Config
-from ..plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
-from ..record import CallRecord, Context, Problem, make_context
-from ..router import run_backward
-from ..state import STATE
+from ..runtime.config import Config
+from ..dispatch.plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
+from ..dispatch.record import CallRecord, Context, Problem, make_context
+from ..dispatch.router import run_backward
+from ..runtime.state import STATE
 from .masks import mask_as_flags
 from .sdpa_call import backward_tensors, original_sdpa, problem_for
 
@@ -98,7 +98,7 @@ def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_c
         lse = _recomputed_lse(q, k, attn_mask, is_causal, default_scale(q.shape[-1], scale))
     else:  # the CPU tiers need no LSE
         lse = q.new_empty((0,), dtype=torch.float32)
-    from .. import config
+    from ..runtime import config
     cfg = config.active() or config.resolve(mode=mode)
     aux = torch.tensor([_plan_call(q, k, v, out, lse, attn_mask, is_causal, scale, layer, cfg)], dtype=torch.int64)
     return _in_query_layout(out, q, v), lse, aux

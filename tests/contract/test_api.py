@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import gproj_patch
-from gproj_patch import config, layer_context, telemetry
+from gproj_patch.runtime import config, telemetry
+from gproj_patch.layers import scope as layer_context
 from gproj_patch.backends.reference import reference_backward
 
 
@@ -114,7 +115,7 @@ def test_unknown_option_raises_and_policy_options_are_validated_at_enable(monkey
 def test_thresholds_below_both_defaults_as_keywords_or_variables():
     """An enter/exit pair below the defaults is valid together (each value's own range is checked with its partner
     equal; the order on the whole config), from keywords, variables or a mix; out of order it names its sources."""
-    from gproj_patch.config import policy_options
+    from gproj_patch.runtime.config import policy_options
     cfg = policy_options({}, gproj_enter=0.003, gproj_exit=0.001, fp32_enter=0.004, fp32_exit=0.003)
     assert (cfg.gproj_enter, cfg.gproj_exit, cfg.fp32_enter, cfg.fp32_exit) == (0.003, 0.001, 0.004, 0.003)
     cfg = policy_options({"GPROJ_AUTO_ENTER": "0.003"}, gproj_exit=0.002)

@@ -23,8 +23,8 @@ def project():
 
 def test_version_and_changelog(project):
     assert gproj_patch.__version__ == "0.2.0"
-    assert project["project"]["dynamic"] == ["version"]  # read from gproj_patch.__version__: one place
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gproj_patch.__version__"}
+    assert project["project"]["dynamic"] == ["version"]  # read from gproj_patch/version.py: one place
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gproj_patch.version.__version__"}
     text = (ROOT / "CHANGELOG.md").read_text()
     assert "## 0.2.0" in text and "deterministic" in text.split("## 0.1.0")[0]  # the removed keyword is named
 

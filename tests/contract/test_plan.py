@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import gproj_patch
-from gproj_patch import plan as plan_mod
+from gproj_patch.dispatch import plan as plan_mod
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.record import CallRecord, Context, Problem
+from gproj_patch.dispatch.record import CallRecord, Context, Problem
 
 
 def _inputs(dtype=torch.float16, seed=0, S=16, D=16, offset=64.0):
@@ -109,7 +109,7 @@ def test_options_changed_after_the_forward_change_nothing(patch_off):
 
 def test_a_record_without_plan_is_refused():
     """The router carries out plans; a hook that forgot to plan fails loudly instead of deciding late."""
-    from gproj_patch.router import BackwardTensors, run_backward
+    from gproj_patch.dispatch.router import BackwardTensors, run_backward
     q, k, v, do = (t.detach() for t in _inputs(dtype=torch.bfloat16))
     record = CallRecord(Problem(scale=0.25), Context(mode="gproj", tier_option="auto", layer="l", source="test"))
     with pytest.raises(RuntimeError, match="without a plan"):

@@ -4,7 +4,7 @@ import torch
 
 from gproj_patch import policy
 from gproj_patch.policy import PolicyConfig, next_tier
-from gproj_patch.record import CallRecord, Context, Problem
+from gproj_patch.dispatch.record import CallRecord, Context, Problem
 
 
 def _record(layer, mode="auto", scale=32 ** -0.5):
@@ -125,12 +125,12 @@ def test_unnamed_layers_are_numbered_per_step_at_the_forward():
     """Unnamed calls are named call0, call1, ... in forward order when their record is made; a forward after
     a backward starts a new step (one step notion, state.py)."""
     import gproj_patch
-    from gproj_patch.record import make_context
+    from gproj_patch.dispatch.record import make_context
     gproj_patch.reset_stats()
     names = []
     for step in range(2):
         names.append([make_context("test").layer for _ in range(3)])
-        gproj_patch.layer_context.backward_ran()
+        gproj_patch.layers.scope.backward_ran()
     assert names == [["call0", "call1", "call2"]] * 2
     assert policy.current_step() == 1
     with gproj_patch.layer_scope("blk.0"):
@@ -209,7 +209,7 @@ def test_detector_failure_keeps_tier_and_warns_once(caplog):
 
 
 def test_options_from_enable_and_environment_apply(monkeypatch):
-    from gproj_patch import config as patch_config
+    from gproj_patch.runtime import config as patch_config
     monkeypatch.setenv("GPROJ_SAMPLE_EVERY", "9")
     policy.reset(keep_config=False)
     assert policy.config().sample_every == 9

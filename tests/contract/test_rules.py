@@ -9,9 +9,9 @@ from tests.helpers.paths import REPO
 
 PKG = REPO / "gproj_patch"
 #: the one module that owns turning the patch on and off (it may keep ``global`` state of its own)
-OWNER = PKG / "__init__.py"
+OWNER = PKG / "patch.py"
 #: the one module that holds the runtime state
-STATE_MODULE = PKG / "state.py"
+STATE_MODULE = PKG / "runtime" / "state.py"
 MAX_PARAMETERS = 12
 #: containers a module-level assignment must not create outside the state module (unless a bounded cache)
 MUTABLE_CALLS = {"dict", "list", "set", "Counter", "OrderedDict", "defaultdict", "deque", "WeakValueDictionary",
@@ -134,9 +134,16 @@ def _creates_container(value) -> bool:
     return False
 
 
+def _constant(name: str) -> bool:
+    """UPPER_CASE module names are constants (PEP 8): the package never assigns into them
+    (``test_constants_are_never_mutated``); tuned tables such as ``triton_bwd.CONFIGS`` may be overridden by a
+    benchmark's sweep, never by the package."""
+    return name.isupper() and not name.startswith("_")
+
+
 def test_module_level_mutable_state_only_in_the_state_module():
-    """Every module-level container lives in the runtime state, or is a documented bounded cache (a comment
-    with "bounded cache" right above it, saying what bounds it)."""
+    """Every module-level container lives in the runtime state, is a constant (UPPER_CASE), or is a documented
+    bounded cache (a comment with "bounded cache" right above it, saying what bounds it)."""
     bad = []
     for _, path in KNOWN.items():
         if path == STATE_MODULE:
@@ -146,11 +153,33 @@ def test_module_level_mutable_state_only_in_the_state_module():
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
             names = [t.id for t in targets if isinstance(t, ast.Name)]
-            if not names or names == ["__all__"] or not _creates_container(node.value):
+            if not names or names == ["__all__"] or _constant(names[0]) or not _creates_container(node.value):
                 continue
             above = " ".join(lines[max(0, node.lineno - 4): node.lineno - 1])
             if "bounded cache" not in above:
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno} {names[0]}")
+    assert not bad, bad
+
+
+def test_constants_are_never_mutated():
+    """No ``NAME[...] = ...``, ``del NAME[...]`` or mutating method call on an UPPER_CASE name in the package."""
+    mutators = {"append", "extend", "update", "clear", "pop", "popitem", "setdefault", "add", "discard", "remove",
+                "insert"}
+    bad = []
+    for _, path in KNOWN.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            target = None
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for t in (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]):
+                    if isinstance(t, ast.Subscript):
+                        target = t.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators:
+                target = node.func.value
+            name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) \
+                else None
+            if name and _constant(name) and name not in ("STATE", "INSTALLED", "ACTIVE", "ENABLED", "OVERRIDES",
+                                                         "STATUS"):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno} mutates {name}")
     assert not bad, bad
 
 

@@ -19,22 +19,16 @@ import pytest
 import torch
 
 import gproj_patch
-from gproj_patch import detector
+from gproj_patch.policy import detector
 from gproj_patch.backends import compat
 from gproj_patch.integrations import fa_records
 from gproj_patch.integrations import flex as flex_hook
 from gproj_patch.integrations import sdpa as sdpa_hook
-from gproj_patch.state import STATE, reset
+from gproj_patch.runtime.state import STATE, reset
 
 PACKAGE = pathlib.Path(gproj_patch.__file__).parent
-#: the modules this rule set covers (the rest of the package follows in the structure tests)
-OWNED = ("integrations/sdpa.py", "integrations/flash_attn.py", "integrations/fa_records.py", "integrations/flex.py",
-         "integrations/flex_reach.py", "integrations/startup.py", "integrations/trainer.py",
-         "integrations/__init__.py", "import_hooks.py", "detector.py", "telemetry.py", "audit/__init__.py",
-         "audit/api.py", "audit/backends.py", "audit/cases.py", "audit/cli.py", "audit/eager.py", "audit/plugin.py",
-         "audit/pytest_plugin.py", "audit/report.py", "audit/run.py", "ops/flex_masks.py", "ops/masks.py",
-         "backends/compat.py", "backends/detector_kernel.py", "backends/emulation.py", "backends/reference.py",
-         "backends/spec.py", "backends/fp32_tier.py")
+#: the modules this rule set covers: the whole package
+OWNED = tuple(str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py")))
 #: calls that build a mutable container
 CONTAINER_CALLS = {"dict", "list", "set", "Counter", "defaultdict", "OrderedDict", "deque", "bytearray", "local",
                    "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
@@ -104,28 +98,8 @@ def _dotted(node) -> str:
 
 # ---- item 2: one runtime state ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rel", OWNED)
-def test_no_global_statement(rel):
-    _, tree = _source(rel)
-    found = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Global)]
-    assert not found, f"{rel}: `global` at lines {found} (state goes to state.STATE, hook bookkeeping to INSTALLED)"
-
-
-@pytest.mark.parametrize("rel", OWNED)
-def test_module_level_containers_are_marked_bounded_caches(rel):
-    lines, tree = _source(rel)
-    unmarked = []
-    for node in _module_statements(tree):
-        if isinstance(node, ast.Assign):
-            value, lineno = node.value, node.lineno
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            value, lineno = node.value, node.lineno
-        else:
-            continue
-        if _is_container(value) and not _marked_bounded(lines, lineno):
-            unmarked.append(f"{rel}:{lineno}: {lines[lineno - 1].strip()}")
-    assert not unmarked, "mutable module-level containers (move to STATE, or mark and test as bounded caches):\n" + \
-        "\n".join(unmarked)
+# (no ``global`` statement and module-level containers only as state, constants or bounded caches: the
+# package-wide rules in test_rules.py)
 
 
 def test_reset_clears_the_sdpa_reentry_count():

@@ -3,7 +3,7 @@ interpreter is decided when the options are resolved — at ``enable()`` — and
 backward reads the environment. A test that sets the variable under an enabled patch re-enables it so that
 the new value takes effect (``cpu_kernel_on``)."""
 import gproj_patch
-from gproj_patch import config
+from gproj_patch.runtime import config
 
 
 def cpu_kernel_on(monkeypatch, variable: str = "TRITON_INTERPRET", value: str = "1") -> None:

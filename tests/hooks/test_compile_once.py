@@ -199,7 +199,7 @@ def test_trainer_torch_compile_compiles_once(tmp_path):
 def test_tracked_layers_keep_their_names_under_compile():
     """``track_layers`` names calls after their modules in compiled code too (the same names as eager), without
     a graph break: the policy keeps one record per layer."""
-    from gproj_patch.layer_tracking import track_layers
+    from gproj_patch.layers.tracking import track_layers
     gproj_patch.enable(mode="auto", targets=("sdpa",))
     model = _tiny_llama("sdpa")
     track_layers(model)

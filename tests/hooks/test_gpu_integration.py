@@ -96,8 +96,8 @@ def test_fp32_tier_on_cuda_with_arbitrary_mask():
 
 def test_detector_graph_replay_matches_eager(monkeypatch):
     """The torch fallback of the detector (the Triton kernel off): its CUDA graph replays what eager computes."""
-    from gproj_patch import detector
-    from gproj_patch.state import STATE
+    from gproj_patch.policy import detector
+    from gproj_patch.runtime.state import STATE
     monkeypatch.setattr(STATE, "detector_kernel_failed", True)
     stats = []
     for seed in (5, 6):  # the second call replays the captured graph on new data

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import gproj_patch
-from gproj_patch import plan as plan_mod, router
+from gproj_patch.dispatch import plan as plan_mod, router
 from gproj_patch.backends import triton_bwd
 from gproj_patch.ops import sdpa as sdpa_op
-from gproj_patch.state import STATE
+from gproj_patch.runtime.state import STATE
 
 pytestmark = pytest.mark.usefixtures("patch_off")
 
@@ -168,7 +168,7 @@ def test_lse_in_any_layout_reaches_the_tiers_as_b_h_s(monkeypatch):
     q = torch.randn(2, 3, 5, 8)
     lse = torch.randn(2, 3, 5)
     record = router.CallRecord(sdpa_op.problem_for(q, q, None, False, None),
-                               gproj_patch.record.make_context("sdpa", "x", gproj_patch.config.resolve(mode="fp32")))
+                               gproj_patch.dispatch.record.make_context("sdpa", "x", gproj_patch.runtime.config.resolve(mode="fp32")))
     record = plan_mod.make_plan(record, plan_mod.ForwardTensors(q, q, q, q, lse), has_original=False)
     for given in (lse, lse[..., None], torch.cat([lse, torch.zeros(2, 3, 27)], -1), lse.double()):
         router.run_backward(record, router.BackwardTensors(q, q, q, q, q, given))

@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import gproj_patch
-from gproj_patch.layer_tracking import track_layers
+from gproj_patch.layers.tracking import track_layers
 
 transformers = pytest.importorskip("transformers")
 

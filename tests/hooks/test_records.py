@@ -52,7 +52,7 @@ def test_policy_options_are_the_forwards(monkeypatch):
     policy.configure(sample_every=11)  # after the forward: not this call's
     out.float().sum().backward()
     assert seen[0].context.policy.sample_every == 3
-    from gproj_patch.record import make_context
+    from gproj_patch.dispatch.record import make_context
     assert make_context("sdpa").policy.sample_every == 11  # a call made now gets the new options
     policy.reset(keep_config=False)
 

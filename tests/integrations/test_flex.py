@@ -208,13 +208,13 @@ def test_documents_batch_gqa_softcap():
 def test_packed_documents_pass_the_original_backward_through_unchanged():
     """Per-batch documents run packed (1, H, B·S, D); a backward that takes the caller's own (unpacked)
     gradients — mode "off", or the policy's "original" — returns them exactly as they were."""
-    from gproj_patch.record import CallRecord, Context
+    from gproj_patch.dispatch.record import CallRecord, Context
     g = torch.Generator().manual_seed(4)
     B, H, S, D = 2, 2, 200, 16
     q, k, v, do = (torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(4))
     bm = _bm(documents(DOCS), S, S, B=B)
     verdict = flex_masks.analyse(bm.mask_mod, flex_masks.BlockStructure.of(bm), B, H, S, S, "cpu")
-    from gproj_patch.plan import ForwardTensors, make_plan
+    from gproj_patch.dispatch.plan import ForwardTensors, make_plan
     record = make_plan(CallRecord(flex_op.problem_for(verdict, 0.0, None, D),
                                   Context(mode="off", tier_option="auto", layer="l", source="flex")),
                        ForwardTensors(q, k, v, None, None), has_original=True)

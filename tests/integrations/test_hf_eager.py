@@ -145,7 +145,7 @@ def test_install_before_transformers_is_imported():
     afterwards (through HF's lazy top-level module) runs the wrapped function."""
     code = "\n".join([
         "import sys",
-        "from gproj_patch import import_hooks",
+        "from gproj_patch.runtime import import_hooks",
         "from gproj_patch.integrations import hf_eager",
         "assert hf_eager.install() == 'installed'",
         "assert not any(n.startswith('transformers') for n in sys.modules), 'install imported transformers'",

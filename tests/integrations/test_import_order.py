@@ -3,7 +3,7 @@
 The first half runs fresh interpreters with the real .pth (see tests/integrations/test_startup.py) and a different first statement
 each; every one must end with SDPA patched, the start-up state "enabled", and — where Transformers' modeling code
 was imported — "gproj" registered. The second half checks the after-import mechanism itself
-(``gproj_patch.import_hooks``) in this process, on throw-away modules written to a temporary directory.
+(``gproj_patch.runtime.import_hooks``) in this process, on throw-away modules written to a temporary directory.
 """
 import importlib
 import importlib.util
@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from gproj_patch import import_hooks
+from gproj_patch.runtime import import_hooks
 from tests.helpers.startup import run_python as _run
 from tests.helpers.paths import REPO
 
@@ -266,7 +266,7 @@ def test_import_that_bypasses_the_watcher_fires_at_the_next_import(modules):
 
 
 @pytest.mark.parametrize("first", ["gproj_patch.backends.gluon_bwd", "gproj_patch.backends.triton_bwd",
-                                   "gproj_patch.router"])
+                                   "gproj_patch.dispatch.router"])
 def test_backend_module_imported_before_torch_registers_the_op(first):
     """Importing a backend module first — torch then comes in through it, and torch's after-import hook loads
     ``backends/ops.py`` (and with it ``triton_bwd``) while that module is half initialized — must still register

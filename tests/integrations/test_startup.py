@@ -35,7 +35,7 @@ def test_flag_on_enables_after_torch_import(userbase):
         import gproj_patch.integrations.startup as s
         before = ("torch" in sys.modules, s.status()["state"])
         import torch, gproj_patch
-        print(before, s.status()["state"], gproj_patch.is_enabled(), gproj_patch._state["config"].mode)
+        print(before, s.status()["state"], gproj_patch.is_enabled(), gproj_patch.patch.ENABLED.config.mode)
     """, GPROJ_PATCH="1", GPROJ_MODE="auto")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[0] == "(False, 'waiting for torch') enabled True auto"

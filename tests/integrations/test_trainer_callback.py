@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 import gproj_patch  # noqa: E402
 from gproj_patch import policy  # noqa: E402
-from gproj_patch.state import STATE  # noqa: E402
+from gproj_patch.runtime.state import STATE  # noqa: E402
 from gproj_patch.integrations.trainer import GProjCallback  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 

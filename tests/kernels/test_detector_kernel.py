@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (tests/kernels/..)
 sys.path.insert(0, ROOT)
-from gproj_patch import detector  # noqa: E402
+from gproj_patch.policy import detector  # noqa: E402
 from gproj_patch.backends import detector_kernel  # noqa: E402
 from gproj_patch.backends.spec import normalize_lse  # noqa: E402
 

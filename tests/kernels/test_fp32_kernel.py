@@ -28,12 +28,12 @@ import torch
 triton = pytest.importorskip("triton")
 
 import gproj_patch  # noqa: E402
-from gproj_patch import plan, router  # noqa: E402,F401
+from gproj_patch.dispatch import plan, router  # noqa: E402,F401
 from gproj_patch.backends import fp32_tier, triton_bwd  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward, kernel_unsupported_reason  # noqa: E402
 from gproj_patch.audit.cases import get_case  # noqa: E402
-from gproj_patch.record import Problem  # noqa: E402
+from gproj_patch.dispatch.record import Problem  # noqa: E402
 from tests.helpers.launch_mismatch import dk_mismatch_term, dp_launch_mismatch  # noqa: E402
 from tests.helpers.numerics import rel  # noqa: E402
 

@@ -125,8 +125,8 @@ def test_sq_not_multiple_of_4_runs_tl_and_is_correct():
     """Sq = 333: the Gluon kernel's TMA of the per-row scratch needs 16-byte aligned rows, so it says why not,
     the plan picks the tl kernel, and the gradients are still within the gauge target."""
     from gproj_patch.backends.triton_bwd import gproj_backward
-    from gproj_patch.plan import ForwardTensors, kv_major_choice
-    from gproj_patch.record import Problem
+    from gproj_patch.dispatch.plan import ForwardTensors, kv_major_choice
+    from gproj_patch.dispatch.record import Problem
     g = torch.Generator(device="cuda").manual_seed(4)
     q, k, v, do = (torch.randn(1, 2, 333, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
     k = k + 128.0

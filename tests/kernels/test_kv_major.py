@@ -50,8 +50,8 @@ def test_uncovered_inputs_get_a_reason(shape, dtype, fragment):
 
 def _choice(q, k, v, option="auto"):
     """The plan's KV-major choice for a dense call (``plan.kv_major_choice``, made at the forward)."""
-    from gproj_patch.plan import ForwardTensors, kv_major_choice
-    from gproj_patch.record import Problem
+    from gproj_patch.dispatch.plan import ForwardTensors, kv_major_choice
+    from gproj_patch.dispatch.record import Problem
     return kv_major_choice(ForwardTensors(q, k, v, None, None), Problem(scale=q.shape[-1] ** -0.5), option)
 
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from gproj_patch import detector
+from gproj_patch.policy import detector
 
 
 def _inputs(B=2, Hq=4, Hkv=2, Sq=96, Sk=80, D=32, k_off=0.0, q_off=0.0, dtype=torch.bfloat16, seed=0):
@@ -155,7 +155,7 @@ def test_detector_failure_flags_live_in_the_runtime_state_and_reset_with_it():
     """The detector's "kernel failed" / "graph capture failed" flags and its logged reasons are runtime state:
     reset_stats() clears them (the next sampled call tries the kernel again)."""
     import gproj_patch
-    from gproj_patch.state import STATE
+    from gproj_patch.runtime.state import STATE
     STATE.detector_kernel_failed = STATE.detector_graph_failed = True
     STATE.detector_logged.add("head_dim=512")
     gproj_patch.reset_stats()

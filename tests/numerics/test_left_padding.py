@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from gproj_patch import record, router, telemetry
+from gproj_patch.dispatch import record, router
+from gproj_patch.runtime import telemetry
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.ops.masks import PackedPadding, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 from tests.helpers.numerics import rel
@@ -55,7 +56,7 @@ def make(dtype, *, sink=False, seed=0, hq=H, hkv=HKV):
 
 def _record(mode, tier, problem, tensors):
     """The packed call's record and plan (tier "triton": the kernel on CPU fp16, or an error)."""
-    from gproj_patch.plan import ForwardTensors, make_plan
+    from gproj_patch.dispatch.plan import ForwardTensors, make_plan
     ctx = record.Context(mode=mode, tier_option=tier, layer="pad", source="test", cpu_kernel=tier == "triton")
     return make_plan(record.CallRecord(problem, ctx),
                      ForwardTensors(tensors.q, tensors.k, tensors.v, tensors.o, tensors.lse), has_original=False)

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
-from . import config as _config
-from .layer_context import current_layer, layer_id
-from .policy import effective_config
-from .state import STATE
+from ..runtime import config as _config
+from ..layers.scope import current_layer, layer_id
+from ..policy import effective_config
+from ..runtime.state import STATE
 
 if TYPE_CHECKING:  # plan.py imports this module
     from .plan import BackwardPlan

@@ -36,6 +36,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 MODES = ("gproj", "fp32", "off", "auto", "audit")
@@ -44,12 +45,12 @@ TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex")
 TIER_OPTIONS = ("auto", "triton", "fp32")
 #: the kernel tier's KV-major launch: "auto" (``plan.kv_major_choice`` chooses per call), "tl"
 KV_MAJOR_OPTIONS = ("auto", "tl")
-_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
-           "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
+_LEVELS = MappingProxyType({"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
+                            "WARN": logging.WARNING, "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL})
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_TARGET_ALIASES = {"flash-attn": "flash_attn", "flashattn": "flash_attn", "fa": "flash_attn",
-                   "flex_attention": "flex", "eager": "hf_eager"}
+_TARGET_ALIASES = MappingProxyType({"flash-attn": "flash_attn", "flashattn": "flash_attn", "fa": "flash_attn",
+                                    "flex_attention": "flex", "eager": "hf_eager"})
 
 
 def _choice(name: str, value, allowed) -> str:
@@ -172,14 +173,14 @@ class _Option:
     empty_is_value: bool = False
 
 
-_CORE: Dict[str, _Option] = {
+_CORE: Mapping[str, _Option] = MappingProxyType({
     "mode": _Option("GPROJ_MODE", lambda n, v: _choice(n, v, MODES)),
     "targets": _Option("GPROJ_TARGETS", parse_targets, empty_is_value=True),
     "tier": _Option("GPROJ_TIER", lambda n, v: _choice(n, v, TIER_OPTIONS)),
     "kv_major": _Option("GPROJ_KV_MAJOR", lambda n, v: _choice(n, v, KV_MAJOR_OPTIONS)),
     "log_level": _Option("GPROJ_LOG_LEVEL", parse_log_level),
-}
-_POLICY: Dict[str, _Option] = {
+})
+_POLICY: Mapping[str, _Option] = MappingProxyType({
     "sample_every": _Option("GPROJ_SAMPLE_EVERY", parse_int),
     "gproj_enter": _Option("GPROJ_AUTO_ENTER", parse_float),
     "gproj_exit": _Option("GPROJ_AUTO_EXIT", parse_float),
@@ -189,11 +190,12 @@ _POLICY: Dict[str, _Option] = {
     "max_amplification": _Option(None, parse_float),
     "max_rows": _Option("GPROJ_DETECTOR_ROWS", parse_int),
     "detector_graph": _Option("GPROJ_DETECTOR_GRAPH", parse_bool),
-}
+})
 OPTION_NAMES = tuple(_CORE) + tuple(_POLICY)
 #: every environment variable the patch reads (besides GPROJ_PATCH, the start-up switch)
-ENV = {name: opt.env for name, opt in {**_CORE, **_POLICY}.items() if opt.env}
-OBSOLETE_ENV = {"GPROJ_DETERMINISTIC": "every tier is bitwise deterministic (no atomics); the variable is ignored"}
+ENV = MappingProxyType({name: opt.env for name, opt in {**_CORE, **_POLICY}.items() if opt.env})
+OBSOLETE_ENV = MappingProxyType(
+    {"GPROJ_DETERMINISTIC": "every tier is bitwise deterministic (no atomics); the variable is ignored"})
 
 
 def _pick(options: Dict[str, _Option], explicit: Mapping[str, Any], environ: Mapping[str, str]) -> Dict[str, Any]:
@@ -212,7 +214,8 @@ def _pick_sourced(options, explicit, environ) -> Dict[str, Tuple[Any, str]]:
 
 
 #: the enter/exit thresholds whose order (exit <= enter) PolicyConfig checks
-_PAIRED = {"gproj_enter": "gproj_exit", "gproj_exit": "gproj_enter", "fp32_enter": "fp32_exit", "fp32_exit": "fp32_enter"}
+_PAIRED = MappingProxyType({"gproj_enter": "gproj_exit", "gproj_exit": "gproj_enter", "fp32_enter": "fp32_exit",
+                            "fp32_exit": "fp32_enter"})
 
 
 def policy_options(environ: Optional[Mapping[str, str]] = None, **explicit) -> PolicyConfig:

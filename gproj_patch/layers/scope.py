@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 from typing import Iterator, Optional
 
-from .state import STATE
+from ..runtime.state import STATE
 
 _current: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("gproj_layer", default=None)
 

@@ -54,8 +54,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .backends.spec import normalize_lse, unit_roundoff
-from .state import STATE
+from ..backends.spec import normalize_lse, unit_roundoff
+from ..runtime.state import STATE
 
 DEFAULT_MAX_ROWS = 256
 _log = logging.getLogger("gproj_patch")
@@ -238,7 +238,7 @@ def _kernel_statistics(q, k, lse, qidx, kidx, alpha: float, u: float) -> Optiona
     """The CUDA path: ``backends/detector_kernel.py`` (two launches), then the 7 summary values copied without
     blocking into pinned memory, with an event to wait on. None when the kernel does not take these inputs (the
     reason logged once) or has failed before (then the caller's torch path runs)."""
-    from .backends.detector_kernel import detector_kernel_supported, launch_head_statistics
+    from ..backends.detector_kernel import detector_kernel_supported, launch_head_statistics
     supported, reason = detector_kernel_supported(q, k, lse)
     if not supported:
         logged = STATE.detector_logged

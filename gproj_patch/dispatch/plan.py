@@ -32,10 +32,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import policy
-from .config import POLICY_MODES
+from .. import policy
+from ..runtime.config import POLICY_MODES
 from .record import CallRecord, Problem
-from .state import STATE
+from ..runtime.state import STATE
 
 TIERS = ("gproj", "fp32", "original")
 TRITON_REFUSED = "GPROJ_TIER=triton but the GProj kernel cannot run: "
@@ -88,7 +88,7 @@ _MISSING = object()
 
 def _triton_bwd():
     """``backends.triton_bwd``, imported on first use (it imports triton; ImportError while it cannot be)."""
-    from .backends import triton_bwd
+    from ..backends import triton_bwd
     return triton_bwd
 
 
@@ -143,7 +143,7 @@ def kv_major_choice(t: ForwardTensors, problem: Problem, option: str) -> Tuple[s
     option ``kv_major="tl"``. dO is planned as laid out like q (the router passes a contiguous dO to Gluon)."""
     if option == "tl":
         return "tl", "kv_major=tl (GPROJ_KV_MAJOR / enable option)"
-    from .backends import gluon_bwd
+    from ..backends import gluon_bwd
     reason = gluon_bwd.kv_major_reason(t.q, t.k, t.v, window=problem.window, softcap=problem.softcap,
                                        varlen=problem.cu_seqlens_q is not None or problem.cu_seqlens_k is not None)
     if reason is None and t.q.shape[-1] not in gluon_bwd.FASTER_HEAD_DIMS:

@@ -21,9 +21,10 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import policy, telemetry
-from .backends.spec import normalize_lse
-from .layer_context import backward_ran
+from .. import policy
+from ..runtime import telemetry
+from ..backends.spec import normalize_lse
+from ..layers.scope import backward_ran
 from .plan import KernelPlan
 from .record import CallRecord, Problem
 
@@ -58,8 +59,8 @@ def _kernel_lse(lse: torch.Tensor, dead_rows: Optional[torch.Tensor]) -> torch.T
 def _run_kernel(t: BackwardTensors, problem: Problem, kernel: KernelPlan) -> Grads:
     """The kernel tier as planned: its KV-major launch the Gluon kernel or the tl one (counted in
     ``stats()["kv_major"]``), on CUDA or, for CPU tensors the plan allowed, through Triton's interpreter."""
-    from .backends.spec import MaskSpec
-    from .backends.triton_bwd import launch_backward
+    from ..backends.spec import MaskSpec
+    from ..backends.triton_bwd import launch_backward
     extra = {} if problem.sink is None else {"sink": problem.sink}  # the LSE includes the sink: never drop it
     telemetry.record_kv_major(kernel.kv_major, kernel.kv_major_reason)
     do = t.do.contiguous() if kernel.kv_major == "gluon" else t.do  # TMA needs aligned strides (planned as q's)
@@ -77,7 +78,7 @@ def _run_fp32(t: BackwardTensors, problem: Problem, fp32_kernel: Optional[Kernel
     if fp32_kernel is not None:
         return _run_kernel(BackwardTensors(*(x.float() for x in (t.do, t.q, t.k, t.v, t.o)), t.lse, t.dead_rows),
                            problem, fp32_kernel)
-    from .backends.fp32_tier import fp32_backward
+    from ..backends.fp32_tier import fp32_backward
     extra = {}
     if problem.sink is not None:
         extra["sink"] = problem.sink

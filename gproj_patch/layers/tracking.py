@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .layer_context import enter_traced_layer, exit_traced_layer, layer_scope
+from .scope import enter_traced_layer, exit_traced_layer, layer_scope
 
 _ATTR = "_gproj_layer_tracking"
 

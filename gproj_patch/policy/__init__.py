@@ -47,18 +47,29 @@ from __future__ import annotations
 
 import logging
 import math
+from types import MappingProxyType
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from . import config as _config
-from .config import POLICY_OPTION_NAMES as OPTION_NAMES, PolicyConfig
-from .state import STATE
+from ..runtime import config as _config
+from ..runtime.config import POLICY_OPTION_NAMES as OPTION_NAMES, PolicyConfig
+from ..runtime.state import STATE
 
 TIERS = ("original", "gproj", "fp32")
 MODES = _config.POLICY_MODES
-_RANK = {t: i for i, t in enumerate(TIERS)}
+_RANK = MappingProxyType({t: i for i, t in enumerate(TIERS)})
 _log = logging.getLogger("gproj_patch.policy")
-_overrides: Dict[str, Any] = {}  # configure(): applied on top of the enabled options, for calls made after it
+
+
+class _Overrides:
+    """``configure()``'s options, applied on top of the enabled options for calls made after it: configuration,
+    not state (``reset(keep_config=False)`` clears it, ``reset_stats()`` does not). One instance, never re-bound."""
+
+    def __init__(self) -> None:
+        self.options: Dict[str, Any] = {}
+
+
+OVERRIDES = _Overrides()
 
 
 def options_from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -69,7 +80,7 @@ def options_from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, A
 
 def effective_config(base: PolicyConfig) -> PolicyConfig:
     """``base`` (the enabled options) with the ``configure()`` overrides applied."""
-    return replace(base, **_overrides) if _overrides else base
+    return replace(base, **OVERRIDES.options) if OVERRIDES.options else base
 
 
 def next_tier(current: str, leak_dq: float, leak_dk: float, cfg: PolicyConfig) -> str:
@@ -227,10 +238,10 @@ def relative_errors(grads, ref) -> List[float]:
 def configure(**options) -> PolicyConfig:
     """Set policy options (names in ``OPTION_NAMES``) for calls made from now on, on top of the enabled ones;
     unknown names and bad values raise ValueError. Returns the options now in force."""
-    merged = {**_overrides, **options}
+    merged = {**OVERRIDES.options, **options}
     _config.policy_options({}, **merged)  # validate before keeping anything
-    _overrides.clear()
-    _overrides.update(merged)
+    OVERRIDES.options.clear()
+    OVERRIDES.options.update(merged)
     return config()
 
 
@@ -274,7 +285,7 @@ def reset(keep_config: bool = True) -> None:
     """Clear the runtime state (every layer record, event, step and counter: ``state.reset()``);
     ``keep_config=False`` also drops ``configure()`` overrides."""
     if not keep_config:
-        _overrides.clear()
+        OVERRIDES.options.clear()
     STATE.reset()
 
 

@@ -1,0 +1,3 @@
+"""Which layer an attention call belongs to: the layer scope and step numbering (scope), names after
+the model's modules (tracking).
+"""
