@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
 from gproj_patch.backends.gluon_bwd import KernelConfig  # noqa: E402
-from gproj_patch.backends.triton_bwd import gluon_backward, gluon_supported_reason  # noqa: E402
+from gproj_patch.backends.gluon_entry import gluon_backward, gluon_supported_reason  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
 from tests.helpers.adversarial import (NOT_GAUGE, ODD_CASES, SUITE_CASES, TARGET, UNCOVERED, make_odd,  # noqa: E402

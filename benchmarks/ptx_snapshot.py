@@ -15,7 +15,7 @@ constexprs and divisibility attributes a real launch computes) and then ``triton
 ``GPUTarget("cuda", 90, 32)`` (warp size 32, what the H200 has; Triton's CUDA options fix it at 32 whatever
 the target says). The Gluon KV-major kernel is compiled the same way from
 ``gluon_bwd.dkdv_arguments`` (tests/kernels/test_kv_major.py's CPU compile does the same with ``mangle_type``). The
-LSE kernel's arguments mirror ``triton_bwd.attention_lse``'s launch.
+LSE kernel's arguments mirror ``triton_lse.attention_lse``'s launch.
 
 ``--spills`` also runs Triton's ptxas (cubin) and ``cuobjdump -res-usage`` and prints registers and stack bytes
 (spills) per kernel. Many shipped tl compiles spill (45 of 72 on Triton 3.6: the dkdv kernel at every head dim
@@ -201,7 +201,7 @@ def tl_entries(quick: bool = False, head_dims: Optional[Tuple[int, ...]] = None)
     head dim that is not a power of two (EVEN_D false). Arguments from ``triton_launch.kernel_arguments``, the
     launch's own builder."""
     from gproj_patch.backends import triton_bwd, triton_launch
-    km = triton_bwd._kernels(False)
+    km = triton_bwd.kernel_module(False)
     dims = sorted(triton_bwd.CONFIGS["dq"]) if head_dims is None else head_dims
     jobs = []
     for table_fp32, variants in ((False, VARIANTS), (True, VARIANTS_FP32)):
@@ -221,9 +221,9 @@ def tl_entries(quick: bool = False, head_dims: Optional[Tuple[int, ...]] = None)
 
 
 def lse_entries() -> List[Entry]:
-    """The LSE kernel as ``triton_bwd.attention_lse`` launches it on CUDA (64 × 64 tiles), dense and causal."""
+    """The LSE kernel as ``triton_lse.attention_lse`` launches it on CUDA (64 × 64 tiles), dense and causal."""
     from gproj_patch.backends import triton_bwd
-    km = triton_bwd._kernels(False, "triton_lse_kernels")
+    km = triton_bwd.kernel_module(False, "triton_lse_kernels")
     entries = []
     for d in (64, 128):
         for causal in (False, True):

@@ -15,7 +15,7 @@ with a contiguous last dimension and 16-byte-aligned base and strides (TMA); Sq 
 (the KV-major launch only reads λ). Not covered: sliding windows, softcap, varlen, the two-product dk form,
 ``correct=False``, fp32 inputs, other head dims, GPUs other than sm_90, a Triton without Gluon.
 
-``triton_bwd.gluon_backward`` (``gproj_backward(..., kv_major="gluon")``) runs it explicitly (tests, benchmarks; ValueError where
+``gluon_entry.gluon_backward`` (``gproj_backward(..., kv_major="gluon")``) runs it explicitly (tests, benchmarks; ValueError where
 ``kv_major_reason`` refuses the call). This module imports nothing from ``triton_bwd`` (no import cycle).
 
 Importing this module needs neither CUDA nor Gluon; ``kv_major_reason`` then says what is missing

@@ -34,7 +34,7 @@ KV-major kernel (dk, dv, reading D, the LSE and λ). Extra memory: three fp32 (B
 sink) — never O(S²).
 
 **Features.** bf16 and fp16; every head dim 1..256 (padded to a power of two inside the kernel; head dims
-below 16 are zero-padded to 16 on the host first, ``_pad_head_dim``; block configs are tuned per padded size
+below 16 are zero-padded to 16 on the host first, ``pad_head_dim``; block configs are tuned per padded size
 in ``CONFIGS`` and ``block_config`` picks the nearest tuned one for a size without its own entry); any
 lengths, Sq ≠ Sk; ``causal`` with
 ``causal_align`` "top_left" (SDPA) or "bottom_right" (flash-attn); sliding ``window=(left, right)``; GQA/MQA
@@ -147,7 +147,7 @@ _lock = threading.Lock()
 _modules = {}
 
 
-def _kernels(interpret: bool, source: str = "triton_kernels"):
+def kernel_module(interpret: bool, source: str = "triton_kernels"):
     """The kernel module ``source`` (a file of this folder), compiled (CUDA) or interpreted (CPU tensors), each
     loaded once (``compat.load_interpreted_module``)."""
     key = ("interp" if interpret else "cuda", source)
@@ -164,7 +164,7 @@ def block_d(head_dim: int) -> int:
     return max(MIN_BLOCK_D, 1 << (head_dim - 1).bit_length())
 
 
-def _pad_head_dim(x: torch.Tensor) -> torch.Tensor:
+def pad_head_dim(x: torch.Tensor) -> torch.Tensor:
     """``x`` zero-padded to MIN_BLOCK_D along the head dim. Head dims below 16 run the kernels on such copies:
     ptxas of Triton 3.6 (sm_90a) segfaulted compiling the masked 16-wide tiles of D = 1 and D = 8 on the
     H200, while D = 16 compiled and passed. Zero columns change no score q·k, no dP = dO·v and no D = dO·O;
@@ -299,10 +299,10 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """``launch_backward`` with its keywords grouped (``gproj_backward`` calls it with the checked options)."""
     B, H, SQ, D = q.shape
     SK = k.shape[2]
-    if D < MIN_BLOCK_D:  # zero-padded on the host (see _pad_head_dim); outputs back at width D, like q, k, v
+    if D < MIN_BLOCK_D:  # zero-padded on the host (see pad_head_dim); outputs back at width D, like q, k, v
         padded_kv_major = "tl" if options.kv_major == "gluon" else options.kv_major
         grads = _launch_backward(
-            *(_pad_head_dim(x) for x in (do, q, k, v, o)), lse, scale=default_scale(D, scale), mask=mask,
+            *(pad_head_dim(x) for x in (do, q, k, v, o)), lse, scale=default_scale(D, scale), mask=mask,
             varlen=varlen, options=replace(options, kv_major=padded_kv_major), sink=sink)
         narrow = tuple(torch.empty_like(x).copy_(g[..., :D]) for x, g in zip((q, k, v), grads))
         return narrow + tuple(grads[3:])
@@ -366,7 +366,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32", kv_major=options.kv_major,
         gluon_config=options._gluon_config)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
-        target = _launch(_kernels(interpret), interpret, job)
+        target = _launch(kernel_module(interpret), interpret, job)
     if sink is None:
         return dq, dk, dv
     return dq, dk, dv, sink_gradient(target.view(B, H, SQ), job)
@@ -394,63 +394,7 @@ def _checked_kv_major(q, k, v, do, mask: MaskSpec, varlen: Varlen, options: Kern
 
 
 
-def gluon_supported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Optional[torch.Tensor] = None,
-                           **mask_and_options) -> Optional[str]:
-    """None when ``gluon_backward`` runs these inputs: this kernel's predicate (CPU allowed, as an explicit call),
-    then ``gluon_bwd.kv_major_reason``. ``mask_and_options``: the mask kwargs plus ``attn_mask``, ``dropout_p``,
-    ``sink``, ``correct``, ``dk_form``."""
-    from .gluon_bwd import kv_major_reason
-    o = mask_and_options
-    reason = kernel_unsupported_reason(q, k, v, dropout_p=o.get("dropout_p", 0.0), attn_mask=o.get("attn_mask"),
-                                       softcap=o.get("softcap", 0.0), sink=o.get("sink"), cpu_kernel=True)
-    if reason is not None:
-        return reason
-    if o.get("causal") and o.get("causal_align", "top_left") not in ("top_left", "bottom_right"):
-        return f"causal_align={o['causal_align']}"
-    return kv_major_reason(q, k, v, do=do, window=o.get("window", (-1, -1)), softcap=o.get("softcap", 0.0),
-                           varlen=o.get("cu_seqlens_q") is not None or o.get("cu_seqlens_k") is not None,
-                           correct=o.get("correct", True), dk_form=o.get("dk_form"))
-
-
-def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, **kwargs):
-    """``gproj_backward`` with the Gluon KV-major launch required (ValueError where ``gluon_supported_reason`` is
-    not None; tests and benchmarks). ``_gluon_config`` (a ``gluon_bwd.KernelConfig``) overrides its tiles."""
-    reason = gluon_supported_reason(q, k, v, do=do, **{n: x for n, x in kwargs.items() if not n.startswith("_")})
-    if reason is not None:
-        raise ValueError(f"gluon_backward cannot run these inputs: {reason}")
-    return gproj_backward(do, q, k, v, o, lse, kv_major="gluon", **kwargs)
-
 def _launch(km, interpret: bool, job) -> torch.Tensor:
     """The launches of one backward (``triton_launch.launch``), with the parts ``_RUN`` names."""
     from .triton_launch import launch
     return launch(km, interpret, job, block_d=block_d(job.q.shape[-1]), parts=_RUN, last_kernels=LAST_KERNELS)
-
-
-def attention_lse(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = None,
-                  causal: bool = False) -> torch.Tensor:
-    """Natural-log LSE (B, Hq, Sq) fp32 of α·q·kᵀ — SDPA's semantics (dense, or top-left causal), GQA by head
-    group — in one Triton launch (bf16/fp16 operands, fp32 accumulation: the scores the backward recomputes).
-
-    For callers that hold a fused forward's output but not its LSE (inside a ``torch.compile``d graph the SDPA
-    hook cannot reach the fused node's saved LSE). Same device rules as ``gproj_backward``.
-    """
-    reason = kernel_unsupported_reason(q, k, k, cpu_kernel=True)  # an explicit call: CPU interpreted
-    if reason is not None:
-        raise ValueError(f"attention_lse cannot run here: {reason}")
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    if k.shape[0] != B or k.shape[3] != D or Hq % Hkv != 0:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not form an attention problem")
-    if D < MIN_BLOCK_D:  # as in gproj_backward: zero columns change no score
-        return attention_lse(_pad_head_dim(q), _pad_head_dim(k), scale=default_scale(D, scale), causal=causal)
-    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    interpret = q.device.type != "cuda"
-    km = _kernels(interpret, "triton_lse_kernels")
-    block_m, block_n = (16, 16) if interpret else (64, 64)
-    grid = (triton.cdiv(Sq, block_m), Hq, B)
-    with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
-        km._lse_fwd[grid](q, k, lse, *q.stride(), *k.stride(), *lse.stride(), Hq // Hkv, Sq, Sk, D,
-                          default_scale(D, scale) * 1.4426950408889634, CAUSAL=bool(causal), BLOCK_M=block_m,
-                          BLOCK_N=block_n, BLOCK_D=block_d(D), num_warps=4)
-    return lse

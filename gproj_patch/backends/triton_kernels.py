@@ -45,7 +45,7 @@ def _add(a, b):
 def _rowsum(x):
     # tl.reduce with our own combine function, not the standard library's sum: that one is a triton.jit
     # function, compiled or interpreted depending on how triton was first imported, while this module is
-    # loaded in both modes (see triton_bwd._kernels).
+    # loaded in both modes (see triton_bwd.kernel_module).
     return tl.reduce(x, 1, _add)
 
 

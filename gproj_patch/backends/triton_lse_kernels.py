@@ -1,7 +1,7 @@
-"""Triton kernel of the natural-log LSE of α·q·kᵀ (a forward without V), launched by ``triton_bwd.attention_lse``
+"""Triton kernel of the natural-log LSE of α·q·kᵀ (a forward without V), launched by ``triton_lse.attention_lse``
 for callers that have an attention output but not its LSE (the torch.compile path of the SDPA hook).
 
-Loaded like ``triton_kernels.py`` (compiled for CUDA, interpreted for CPU tensors; ``triton_bwd._kernels``): do
+Loaded like ``triton_kernels.py`` (compiled for CUDA, interpreted for CPU tensors; ``triton_bwd.kernel_module``): do
 not import it directly.
 """
 import triton

@@ -5,7 +5,7 @@ plan are made (``record.make_context``, ``plan.make_plan``: at the forward, at r
 constant or a Dynamo guard) and filed in the runtime state (``STATE.file_compiled_call``, bounded, no tensors):
 the call number travels to the backward in the ``aux`` output and the mask as an op input, so the backward reads
 only what the forward recorded and planned. No autograd node is reachable inside a custom op, so on CUDA the LSE is
-recomputed: by the Triton LSE kernel (``triton_bwd.attention_lse``, a forward without V) without a mask, else by
+recomputed: by the Triton LSE kernel (``triton_lse.attention_lse``, a forward without V) without a mask, else by
 a chunked FP32 pass. In ``auto``/``audit`` a policy choice of "original" runs an uncorrected stand-in (the real
 fused backward is unreachable from inside the op), with that reason logged.
 """
@@ -80,7 +80,8 @@ def _recomputed_lse(q, k, attn_mask, is_causal, scale) -> Tensor:
         if mask is not None or window != (-1, -1) or (causal and align != "top_left"):
             return lse_fp32(q, k, attn_mask, is_causal, scale)
     try:
-        from ..backends.triton_bwd import attention_lse, kernel_unsupported_reason
+        from ..backends.triton_bwd import kernel_unsupported_reason
+        from ..backends.triton_lse import attention_lse
     except ImportError:
         return lse_fp32(q, k, attn_mask, is_causal, scale)
     if kernel_unsupported_reason(q, k, k) is None:

@@ -262,3 +262,29 @@ def test_compat_fa4_interface(monkeypatch):
 def test_compat_dynamo_module_name():
     import importlib
     assert importlib.import_module(compat.dynamo_module_name()) is torch._dynamo
+
+
+def test_compiled_calls_channel_stays_bounded_and_survives_reset(monkeypatch):
+    """The compiled hooks' per-call channel (context and plan from the forward op to the backward op) keeps at
+    most COMPILED_CALLS_MAX entries, oldest dropped, and reset() keeps it (a backward after a reset still finds
+    its forward's plan)."""
+    from gproj_patch.runtime import state as state_module
+    monkeypatch.setattr(state_module, "COMPILED_CALLS_MAX", 8)
+    numbers = [STATE.file_compiled_call(("entry", i)) for i in range(20)]
+    assert len(STATE.compiled_calls) == 8
+    assert STATE.compiled_call(numbers[-1]) == ("entry", 19)
+    with pytest.raises(KeyError):
+        STATE.compiled_call(numbers[0])
+    reset()
+    assert STATE.compiled_call(numbers[-1]) == ("entry", 19)
+
+
+def test_environment_configs_of_attention_stay_bounded(monkeypatch):
+    """``attention()`` without enable() resolves the environment's options once per distinct environment,
+    at most _ENV_CONFIGS_MAX of them."""
+    from gproj_patch import patch
+    monkeypatch.setattr(patch, "_env_config", {})
+    for i in range(3 * patch._ENV_CONFIGS_MAX):
+        monkeypatch.setenv("GPROJ_SAMPLE_EVERY", str(i + 1))
+        assert patch._default_config().policy.sample_every == i + 1
+        assert len(patch._env_config) <= patch._ENV_CONFIGS_MAX

@@ -18,7 +18,7 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the Gluon kernels are sm_90a (Hopper)", allow_module_level=True)
 
 from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
-from gproj_patch.backends.triton_bwd import gluon_backward, gluon_supported_reason  # noqa: E402
+from gproj_patch.backends.gluon_entry import gluon_backward, gluon_supported_reason  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 
 if gluon_bwd.UNAVAILABLE_REASON is not None:

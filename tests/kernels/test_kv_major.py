@@ -165,7 +165,7 @@ def test_unavailable_gluon_sends_every_call_to_tl(monkeypatch, interpreter):
     monkeypatch.setattr(gluon_bwd, "UNAVAILABLE_REASON", "triton 9.9.0: the Gluon kernel was checked against 3.6")
     q, k, v, do = _qkv(dtype=torch.float16)  # fp16 on CPU: the tl kernel's own predicate accepts it here
     assert _choice(q, k, v) == ("tl", "triton 9.9.0: the Gluon kernel was checked against 3.6")
-    from gproj_patch.backends.triton_bwd import gluon_supported_reason
+    from gproj_patch.backends.gluon_entry import gluon_supported_reason
     assert "triton 9.9.0" in gluon_supported_reason(q, k, v, do=do)
     o, lse = reference_forward(q, k, v)
     with pytest.raises(ValueError, match="triton 9.9.0"):

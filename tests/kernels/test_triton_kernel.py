@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from gproj_patch.backends import triton_bwd  # noqa: E402
+from gproj_patch.backends import triton_bwd, triton_lse  # noqa: E402
 from gproj_patch.backends.emulation import emulated_backward  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward, kernel_unsupported_reason  # noqa: E402
@@ -205,7 +205,7 @@ def test_attention_lse_matches_fp64(sq, sk, causal, hkv):
     """The LSE kernel (SDPA semantics: top-left causal) against the fp64 oracle, with GQA and odd lengths."""
     q, k, _, _ = make(2, 4, hkv, sq, sk, 24, offset=8.0, seed=11)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # strided, as HF hands them over
-    got = triton_bwd.attention_lse(q, k, scale=0.3, causal=causal)
+    got = triton_lse.attention_lse(q, k, scale=0.3, causal=causal)
     _, want = reference_forward(q, k, k, scale=0.3, causal=causal)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
@@ -230,7 +230,7 @@ def test_kernel_arguments_name_every_kernel_parameter(sink, varlen, correct):
     constexpr flags follow the job, and the flags that are off get D's buffer as their placeholder pointer."""
     import inspect
     from gproj_patch.backends import triton_launch
-    km = triton_bwd._kernels(True)
+    km = triton_bwd.kernel_module(True)
     job = _launch_job(window=(8, 0), sink=sink, varlen=varlen, correct=correct)
     scratch = triton_launch.allocate_scratch(job)
     for kind, name in triton_launch.KERNELS.items():
@@ -255,8 +255,8 @@ def test_kernel_constants_are_their_formulas():
     series 1/3 and 2/15 below 1/16, ln 2), and ROWSUM_WIDTH is tl.dot's smallest width with room for both
     row-sum columns."""
     import math
-    km = triton_bwd._kernels(True)
-    lse_km = triton_bwd._kernels(True, "triton_lse_kernels")
+    km = triton_bwd.kernel_module(True)
+    lse_km = triton_bwd.kernel_module(True, "triton_lse_kernels")
     value = lambda c: getattr(c, "value", c)  # noqa: E731 - tl.constexpr or a plain number
     assert value(km.RCP_LN2) == 1 / math.log(2) and value(km.NEG_2_RCP_LN2) == -2 / math.log(2)
     assert value(km.TANH_C3) == 1 / 3 and value(km.TANH_C5) == 2 / 15 and value(km.TANH_SERIES_BELOW) == 1 / 16
