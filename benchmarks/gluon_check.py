@@ -30,20 +30,18 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
+from gproj_patch.backends import triton_bwd  # noqa: E402
 from gproj_patch.backends.gluon_bwd import KernelConfig  # noqa: E402
 from gproj_patch.backends.gluon_entry import gluon_backward, gluon_supported_reason  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
+from tests.helpers.kernel_build import gluon_compile_report  # noqa: E402
 from tests.helpers.adversarial import (NOT_GAUGE, ODD_CASES, SUITE_CASES, TARGET, UNCOVERED, make_odd,  # noqa: E402
                                       witness_rows4)
 
 _spec = importlib.util.spec_from_file_location("device_check", os.path.join(ROOT, "benchmarks", "device_check.py"))
 dc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dc)
-_spec = importlib.util.spec_from_file_location("ptx_snapshot", os.path.join(ROOT, "benchmarks", "ptx_snapshot.py"))
-ps = sys.modules["ptx_snapshot"] = importlib.util.module_from_spec(_spec)  # registered: it defines dataclasses
-_spec.loader.exec_module(ps)
 
 LOG = []
 #: matmul products of one backward tile: the standard fused backward and the split GProj design
@@ -214,41 +212,7 @@ def time_shape(B, H, HKV, S, D, causal, sweep=False):
     return res
 
 
-def compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2, 3)):
-    """Registers, spills (bytes of stack a thread) and shared memory of the Gluon KV-major kernel compiled for
-    sm_90a with Triton's own ptxas; runs without a GPU (the configs of ``gluon_bwd.CONFIGS`` come from it)."""
-    import inspect
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-    from gproj_patch.backends import gluon_kernels
-    from gproj_patch.backends.triton_launch import Launch
-    fn = gluon_kernels._dkdv_kernel
-    params = list(inspect.signature(fn.fn).parameters)
-    rows = []
-    for D in head_dims:
-        # CPU tensors shaped like a causal 2·4·1024·D call; the arguments are built as the launch builds them
-        x = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16)
-        f = torch.empty(2 * 4, 1024, dtype=torch.float32)
-        job = Launch(do=x, q=x, k=x, v=x, o=x, lse=f, dq=x, dk=x, dv=x, sink=None, cu_q=x, cu_k=x, varlen=False,
-                     n_problems=2, max_q=1024, max_k=1024, window=(-1, 0), bottom_right=False, alpha=D ** -0.5,
-                     softcap=0.0, correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
-        for bm in block_ms:
-            for st in stages:
-                args = gluon_bwd.dkdv_arguments(job, f, f, f, KernelConfig(bm, st))
-                const = {n: args[n] for n in params if n in ("CAUSAL", "NUM_STAGES")}
-                const["num_warps"] = gluon_bwd.NUM_WARPS
-                sig = {p: "constexpr" if p in const else mangle_type(args[p]) for p in params}
-                src = GluonASTSource(fn, sig, {(params.index(n),): c for n, c in const.items()})
-                try:
-                    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                       options=dict(num_warps=gluon_bwd.NUM_WARPS, maxnreg=gluon_bwd.MAXNREG))
-                except Exception as e:
-                    rows.append(dict(D=D, block_m=bm, stages=st, error=f"{type(e).__name__}: {e}"[:200]))
-                    continue
-                rows.append(dict(D=D, block_m=bm, stages=st, **ps.cubin_resources(k), smem=k.metadata.shared))
-    return rows
+compile_report = gluon_compile_report  # (tests/helpers/kernel_build.py: the kernel tests use it too)
 
 
 def main():

@@ -32,16 +32,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+
+from tests.helpers.kernel_build import cubin_resources  # noqa: E402,F401  (also gluon_check's)
 
 #: the compile target: sm_90a (the H200), warp size 32
 TARGET_ARCH = 90
@@ -170,20 +170,6 @@ def strip_line_info(ptx: str) -> str:
             continue
         out.append(line)
     return "\n".join(out) + "\n"
-
-
-def cubin_resources(kernel) -> Dict[str, int]:
-    """Registers and stack bytes a thread (spills) of a compiled kernel, from Triton's own ptxas/cuobjdump."""
-    import triton
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
-        tmp.write(kernel.asm["cubin"])
-        tmp.flush()
-        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", tmp.name],
-                             capture_output=True, text=True).stdout
-    usage = next((ln.strip() for ln in res.splitlines() if "REG:" in ln), "")
-    fields = dict(part.split(":", 1) for part in usage.split() if ":" in part)
-    return dict(regs=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)))
 
 
 @dataclass

@@ -10,5 +10,7 @@
   ``benchmarks/device_check.py`` and ``benchmarks/gluon_check.py``.
 * ``fa4_standin``: a CPU stand-in for flash-attn-4's ``flash_attn.cute.interface``.
 * ``launch_mismatch``: what the GProj kernel's two separate dP products do to dk.
+* ``kernel_build``: compile kernels for sm_90a on a GPU-less machine and read registers, spills and shared
+  memory (the Gluon compile test; ``benchmarks/gluon_check.py`` and ``ptx_snapshot.py`` use it too).
 * ``switches``: the CPU kernel switch (TRITON_INTERPRET / GPROJ_TIER), resolved at ``enable()``.
 """

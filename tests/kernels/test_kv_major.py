@@ -122,14 +122,9 @@ def test_default_configs_compile_for_sm90a_without_spills(head_dim):
     """The shipped Gluon configs compile for sm_90a on this (GPU-less) machine with Triton's own ptxas and spill
     nothing (benchmarks/gluon_check.py --compile-only): a kernel edit that breaks compilation or starts spilling
     fails here, in CI, before any GPU run."""
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gluon_check.py")
-    spec = importlib.util.spec_from_file_location("gluon_check_cpu", path)
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
+    from tests.helpers.kernel_build import gluon_compile_report
     cfg = gluon_bwd.CONFIGS[head_dim]
-    (row,) = gc.compile_report(head_dims=(head_dim,), block_ms=(cfg.block_m,), stages=(cfg.num_stages,))
+    (row,) = gluon_compile_report(head_dims=(head_dim,), block_ms=(cfg.block_m,), stages=(cfg.num_stages,))
     assert "error" not in row, row
     assert row["stack"] == 0 and row["regs"] == gluon_bwd.MAXNREG, row
     assert row["smem"] <= gluon_bwd.SMEM_LIMIT_BYTES, row

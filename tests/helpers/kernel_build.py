@@ -1,0 +1,63 @@
+"""Kernel build inspection on a GPU-less machine: compile for sm_90a with Triton's own ptxas and read the
+registers, stack (spills) and shared memory. Used by the kernel tests (``tests/kernels/test_kv_major.py``) and
+by ``benchmarks/gluon_check.py --compile-only`` / ``benchmarks/ptx_snapshot.py --spills``."""
+import os
+import subprocess
+import tempfile
+from typing import Dict
+
+import torch
+
+from gproj_patch.backends import gluon_bwd
+from gproj_patch.backends.gluon_bwd import KernelConfig
+
+
+def cubin_resources(kernel) -> Dict[str, int]:
+    """Registers and stack bytes a thread (spills) of a compiled kernel, from Triton's own ptxas/cuobjdump."""
+    import triton
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
+        tmp.write(kernel.asm["cubin"])
+        tmp.flush()
+        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", tmp.name],
+                             capture_output=True, text=True).stdout
+    usage = next((ln.strip() for ln in res.splitlines() if "REG:" in ln), "")
+    fields = dict(part.split(":", 1) for part in usage.split() if ":" in part)
+    return dict(regs=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)))
+
+
+def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2, 3)):
+    """Registers, spills (bytes of stack a thread) and shared memory of the Gluon KV-major kernel compiled for
+    sm_90a with Triton's own ptxas; runs without a GPU (the configs of ``gluon_bwd.CONFIGS`` come from it)."""
+    import inspect
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    from gproj_patch.backends import gluon_kernels
+    from gproj_patch.backends.triton_launch import Launch
+    fn = gluon_kernels._dkdv_kernel
+    params = list(inspect.signature(fn.fn).parameters)
+    rows = []
+    for D in head_dims:
+        # CPU tensors shaped like a causal 2·4·1024·D call; the arguments are built as the launch builds them
+        x = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16)
+        f = torch.empty(2 * 4, 1024, dtype=torch.float32)
+        job = Launch(do=x, q=x, k=x, v=x, o=x, lse=f, dq=x, dk=x, dv=x, sink=None, cu_q=x, cu_k=x, varlen=False,
+                     n_problems=2, max_q=1024, max_k=1024, window=(-1, 0), bottom_right=False, alpha=D ** -0.5,
+                     softcap=0.0, correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
+        for bm in block_ms:
+            for st in stages:
+                args = gluon_bwd.dkdv_arguments(job, f, f, f, KernelConfig(bm, st))
+                const = {n: args[n] for n in params if n in ("CAUSAL", "NUM_STAGES")}
+                const["num_warps"] = gluon_bwd.NUM_WARPS
+                sig = {p: "constexpr" if p in const else mangle_type(args[p]) for p in params}
+                src = GluonASTSource(fn, sig, {(params.index(n),): c for n, c in const.items()})
+                try:
+                    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                       options=dict(num_warps=gluon_bwd.NUM_WARPS, maxnreg=gluon_bwd.MAXNREG))
+                except Exception as e:
+                    rows.append(dict(D=D, block_m=bm, stages=st, error=f"{type(e).__name__}: {e}"[:200]))
+                    continue
+                rows.append(dict(D=D, block_m=bm, stages=st, **cubin_resources(k), smem=k.metadata.shared))
+    return rows
