@@ -85,6 +85,9 @@ _BOOL = (bool, torch.SymBool)
 _NUMBER = (float, int, bool, torch.SymFloat, torch.SymInt)
 
 
+MALFORMED_REASON = "sdpa: arguments in a form the hook does not take (passed to the builtin untouched)"
+
+
 def _well_formed(args: tuple, kwargs: dict) -> bool:
     """True when the builtin's argument parser would accept this call (names, counts, Python types of the
     scalars). Any other call goes to the original untouched, which raises its own ``TypeError``, at the call,
@@ -110,8 +113,15 @@ def scaled_dot_product_attention(*args, **kwargs):
     scale=None, enable_gqa=False)`` with the corrected backward (arguments passed on exactly as given).
     While the hook is not installed (a module bound this wrapper during ``enable()``, then ``disable()`` ran)
     every call goes to the original function untouched."""
-    if INSTALLED.saved is None or not _well_formed(args, kwargs):  # off, or a call the builtin rejects: its own error
+    if INSTALLED.saved is None:
         return sdpa_op.original_sdpa()(*args, **kwargs)
+    if not _well_formed(args, kwargs):
+        # a call the builtin's parser rejects (its own error, at the call) or takes in a form the hook does not
+        # (a tensor scale, ...): the builtin untouched; reported when it computed something that needs a gradient
+        out = sdpa_op.original_sdpa()(*args, **kwargs)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            telemetry.record_forward("original", MALFORMED_REASON, telemetry.shape_class("sdpa"))
+        return out
     # a tuple, built so: dynamo traces this wrapper, and a list here broke compiled CausalBias calls (PyTorch's
     # TestAttnBiasCPU compile variants in tests/test_external_torch_sdpa.py)
     relevant = tuple(a for a in args[:4] if a is not None) + \

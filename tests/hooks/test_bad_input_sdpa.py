@@ -96,6 +96,18 @@ def test_malformed_calls_are_reported_not_corrected(patch_off):
     assert "not 4-D" in reasons and "k and v disagree" in reasons, reasons
 
 
+def test_a_tensor_scale_is_passed_through_and_reported(patch_off):
+    """The builtin takes ``scale`` as a 0-d tensor; the hook does not: the call goes to the builtin untouched
+    (same output and gradients) and is counted, not silently left uncorrected."""
+    make = lambda: _qkv(scale=torch.tensor(0.25))  # noqa: E731
+    plain = _outcome(make)
+    gproj_patch.enable(targets=("sdpa",))
+    patched = _outcome(make)
+    _assert_same(plain, patched)
+    s = gproj_patch.stats()
+    assert s["gproj"] == s["fp32"] == 0 and any("form the hook does not take" in r for r in s["fallback_reasons"]), s
+
+
 def test_empty_targets_variable_raises(patch_off, monkeypatch):
     monkeypatch.setenv("GPROJ_TARGETS", "")
     with pytest.raises(ValueError, match="GPROJ_TARGETS is empty"):
