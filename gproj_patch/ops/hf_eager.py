@@ -33,7 +33,8 @@ from torch import Tensor
 from ..runtime import telemetry
 from ..backends.spec import LOW_PRECISION
 from ..layers.scope import backward_ran
-from ..dispatch.plan import ForwardTensors, make_plan
+from ..dispatch.plan import ForwardTensors, kernel_reason, make_plan
+from ..runtime.config import POLICY_MODES
 from ..dispatch.record import CallRecord, Problem, make_context
 from ..dispatch.router import BackwardTensors, run_backward
 from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
@@ -124,8 +125,9 @@ def _lse_and_output(q, k, v, problem: Problem):
 
 
 def route(record: CallRecord, pattern: Optional[Tensor], *, do: Tensor, q: Tensor, k: Tensor, v: Tensor,
-          original=None):
-    """Gradients (dq, dk, dv[, dsink]) of one eager call through the router; ``do`` (B, Hq, Sq, D)."""
+          original=None, saved: Optional[Tuple[Tensor, Tensor]] = None):
+    """Gradients (dq, dk, dv[, dsink]) of one eager call through the router; ``do`` (B, Hq, Sq, D). ``saved``:
+    the (output, LSE) the forward already computed in FP32 for the policy (a call without a mask)."""
     problem, pad = record.problem, None
     if problem.padded and pattern is not None:
         flags = padding_as_flags(pattern, do, q.shape[2], k.shape[2])
@@ -139,7 +141,7 @@ def route(record: CallRecord, pattern: Optional[Tensor], *, do: Tensor, q: Tenso
     if pad is None:
         if problem.padded:  # the mask stayed a dense tensor: the plan made for that case
             record = CallRecord(problem, record.context, record.plan.dense)
-        return _routed(record, do, q, k, v, None, original)
+        return _routed(record, do, q, k, v, None, original, saved)
     tensors, packed = packed_call(pad, problem, do=do, q=q, k=k, v=v, out=None, lse=None)
     packed_original = None
     if original is not None:
@@ -150,12 +152,13 @@ def route(record: CallRecord, pattern: Optional[Tensor], *, do: Tensor, q: Tenso
     return unpack_grads(pad, grads)
 
 
-def _routed(record: CallRecord, do, q, k, v, dead, original):
+def _routed(record: CallRecord, do, q, k, v, dead, original, saved=None):
     out, lse = None, None
     plan = record.plan
     if (plan.tier == "gproj" or (plan.tier == "fp32" and plan.fp32_kernel is not None)
             or (record.context.mode == "audit" and plan.fp32_kernel is not None)):
-        out, lse = _lse_and_output(q, k, v, record.problem)  # the kernel forms take them: planned so
+        # the kernel forms take them: planned so (computed at the forward already when the policy sampled them)
+        out, lse = saved if saved is not None else _lse_and_output(q, k, v, record.problem)
     return run_backward(record, BackwardTensors(do, q, k, v, out, lse, dead_rows=dead), original)
 
 
@@ -177,6 +180,19 @@ def _recompute_original(call: EagerCall, q, k, v, sink, d_out, d_weights):
     return got if sink is None else (got + (torch.zeros_like(sink),))[:4]
 
 
+def _policy_lse(record: CallRecord, q: Tensor, k: Tensor, v: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """(output, LSE) in FP32 for ``auto``/``audit``'s detector at the forward (its LSE statistics: sink weight,
+    LSE gap), where the kernel tier could run and would need them anyway (no mask tensor); else None."""
+    problem, ctx = record.problem, record.context
+    if ctx.mode not in POLICY_MODES or ctx.tier_option == "fp32" or problem.attn_mask is not None:
+        return None
+    if kernel_reason(ForwardTensors(q, k, v, None, None, recomputed_lse=True), problem,
+                     cpu_kernel=ctx.cpu_kernel) is not None:
+        return None
+    with torch.no_grad():
+        return _lse_and_output(q.detach(), k.detach(), v.detach(), problem)
+
+
 class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, call: EagerCall, record: CallRecord, pattern):
@@ -185,7 +201,9 @@ class _EagerFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # planned as if output and LSE were there: the backward recomputes both in FP32 where the plan runs a
         # kernel form (this forward has no LSE)
-        ctx.record = make_plan(record, ForwardTensors(q, k, v, None, None, recomputed_lse=True), has_original=True)
+        ctx.saved_lse = _policy_lse(record, q, k, v)
+        o, lse = ctx.saved_lse if ctx.saved_lse is not None else (None, None)
+        ctx.record = make_plan(record, ForwardTensors(q, k, v, o, lse, recomputed_lse=True), has_original=True)
         ctx.call, ctx.pattern = call, pattern
         ctx.save_for_backward(q, k, v, sink)
         return out, weights
@@ -206,7 +224,8 @@ class _EagerFunction(torch.autograd.Function):
 
             def original():
                 return _recompute_original(call, q, k, v, sink, d_out, None)
-            grads = route(record, ctx.pattern, do=do, q=q, k=k, v=v, original=original)
+            grads = route(record, ctx.pattern, do=do, q=q, k=k, v=v, original=original, saved=ctx.saved_lse)
+        ctx.saved_lse = None
         dsink = None
         if sink is not None and len(grads) > 3 and ctx.needs_input_grad[3]:
             dsink = grads[3].to(sink.dtype)

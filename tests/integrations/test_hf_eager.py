@@ -379,3 +379,26 @@ def test_kernel_bf16_on_gpu(pads):
         assert rel(a, b) < BOUND[torch.bfloat16], name
     assert rel(plain[0], want[0]) > UNPATCHED_FAR
     assert gproj_patch.stats()["gproj"] == 1
+
+
+def test_auto_samples_with_the_lse_at_the_forward(monkeypatch):
+    """``auto`` decides at the call's forward (its plan): on a path where the kernel can run, the HF eager hook
+    computes the FP32 output and LSE at the forward, so the detector sees the LSE statistics (sink weight, LSE
+    gap), and the backward reuses them; gradients still match the fp64 oracle."""
+    pytest.importorskip("triton")
+    from gproj_patch.policy import detector
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gproj_patch.disable()
+    gproj_patch.enable(targets=("sdpa",), mode="auto", sample_every=1)
+    hf_eager.install()
+    seen = []
+    real = detector.compute
+    monkeypatch.setattr(detector, "compute", lambda q, k, lse, *a, **kw: seen.append(lse) or real(q, k, lse, *a, **kw))
+    q, k, v, do = make(torch.float16, seed=3)
+    with gproj_patch.layer_scope("eager0"):
+        _, _, got = grads_of(modeling_llama.eager_attention_forward, _Attention(), q, k, v, do, None)
+    assert len(seen) == 1 and seen[0] is not None, seen
+    want = reference_backward(*(t.detach() for t in (q, k, v)), do.transpose(1, 2), scale=D ** -0.5)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert rel(a, b) < BOUND[torch.float16], name
+    assert gproj_patch.stats()["layers"]["eager0"]["stats"]["p_sink"] is not None
