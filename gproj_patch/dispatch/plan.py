@@ -10,7 +10,8 @@ A ``BackwardPlan`` holds:
   (the caller's own backward), and ``reason``: why not the tier the mode asked for (counted and logged once per
   reason and shape class when the backward runs);
 * ``kernel`` — for the kernel tier: the KV-major launch (the warp-specialized Gluon kernel or the portable tl
-  one, with why not Gluon) and whether CPU tensors run through Triton's interpreter;
+  one, with why not Gluon; on CPU tensors, planned only where the context's ``cpu_kernel`` allows it, the kernels
+  run through Triton's interpreter);
 * ``fp32_kernel`` — how the FP32 tier runs: the kernel on fp32 copies (its ``KernelPlan``) or, when None, the
   chunked recomputation (``backends/fp32_tier.py``); also what ``audit`` compares with;
 * ``layer`` and ``step`` — the layer name and the sampling step of ``auto``/``audit`` (their policy decided at
@@ -46,7 +47,6 @@ class KernelPlan:
     """How the GProj kernel runs one backward."""
     kv_major: str                 # "gluon" | "tl": the kernel of the KV-major launch (dk, dv)
     kv_major_reason: Optional[str]  # why not the Gluon kernel (None when it runs); counted in stats()
-    interpret: bool               # CPU tensors: the kernels run through Triton's interpreter
 
 
 @dataclass(frozen=True)
@@ -152,13 +152,12 @@ def kv_major_choice(t: ForwardTensors, problem: Problem, option: str) -> Tuple[s
 
 
 def _kernel_plan(t: ForwardTensors, problem: Problem, record: CallRecord, fp32: bool) -> KernelPlan:
-    interpret = t.q.device.type != "cuda"
     if fp32:  # fp32 copies: the Gluon kernel is bf16/fp16 only
-        return KernelPlan(kv_major="tl", kv_major_reason="fp32 (the FP32 tier's kernel form)", interpret=interpret)
+        return KernelPlan(kv_major="tl", kv_major_reason="fp32 (the FP32 tier's kernel form)")
     if problem.padded:  # left padding runs as packed varlen segments, which the Gluon kernel does not take
-        return KernelPlan(kv_major="tl", kv_major_reason="padding mask (may run as varlen)", interpret=interpret)
+        return KernelPlan(kv_major="tl", kv_major_reason="padding mask (may run as varlen)")
     kv_major, why = kv_major_choice(t, problem, record.context.kv_major)
-    return KernelPlan(kv_major=kv_major, kv_major_reason=why, interpret=interpret)
+    return KernelPlan(kv_major=kv_major, kv_major_reason=why)
 
 
 def _tier(record: CallRecord, t: ForwardTensors, has_original: bool, mask_as_flags: bool,

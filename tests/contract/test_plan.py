@@ -130,4 +130,4 @@ def test_plan_fields_name_the_decisions():
     record = plan_mod.make_plan(CallRecord(Problem(scale=0.25), ctx),
                                 plan_mod.ForwardTensors(q.half(), k.half(), v.half(), q.half(), lse),
                                 has_original=False)
-    assert record.plan.tier == "gproj" and record.plan.kernel.kv_major == "tl" and record.plan.kernel.interpret
+    assert record.plan.tier == "gproj" and record.plan.kernel.kv_major == "tl" and record.plan.kernel.kv_major_reason
