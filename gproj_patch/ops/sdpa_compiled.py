@@ -17,13 +17,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends.spec import default_scale
 from ..runtime.config import Config
 from ..dispatch.plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
 from ..dispatch.record import CallRecord, Context, Problem, make_context
 from ..dispatch.router import run_backward
 from ..runtime.state import STATE
-from .masks import mask_as_flags
 from .sdpa_call import backward_tensors, original_sdpa, problem_for
 
 STAND_IN_REASON = "torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in"
@@ -69,24 +67,24 @@ def lse_fp32(q, k, attn_mask, is_causal, scale, chunk: int = _CHUNK_ROWS) -> Ten
     return out
 
 
-def _recomputed_lse(q, k, attn_mask, is_causal, scale) -> Tensor:
+def _recomputed_lse(q, k, attn_mask, is_causal, problem: Problem) -> Tensor:
     """The LSE the backward needs: one Triton launch (a forward without V) where the kernel applies, else a
-    chunked FP32 pass. A boolean mask that is exactly the full or the top-left causal pattern (what HF builds
-    under torch.compile, where it does not skip the mask for ``is_causal``) takes the Triton launch too: the
-    chunked pass costs ~6 ms per layer at 2·16·4096·128 (H200 run 27: a compiled 0.5B Llama step +138%)."""
-    causal = is_causal
-    if attn_mask is not None:
-        mask, causal, align, window = mask_as_flags(attn_mask, q.shape[2], k.shape[2])
-        if mask is not None or window != (-1, -1) or (causal and align != "top_left"):
-            return lse_fp32(q, k, attn_mask, is_causal, scale)
+    chunked FP32 pass. ``problem`` is the call's (``problem_for``: a boolean mask that is exactly the full or the
+    top-left causal pattern is already flags there — what HF builds under torch.compile, where it does not skip
+    the mask for ``is_causal``); such a call takes the Triton launch too: the chunked pass costs ~6 ms per layer at
+    2·16·4096·128 (H200 run 26: a compiled 0.5B Llama step +138%)."""
+    as_flags = problem.attn_mask is None and tuple(problem.window) == (-1, -1) and \
+        (not problem.causal or problem.causal_align == "top_left")
+    if not as_flags:
+        return lse_fp32(q, k, attn_mask, is_causal, problem.scale)
     try:
         from ..backends.triton_bwd import kernel_unsupported_reason
         from ..backends.triton_lse import attention_lse
     except ImportError:
-        return lse_fp32(q, k, attn_mask, is_causal, scale)
+        return lse_fp32(q, k, attn_mask, is_causal, problem.scale)
     if kernel_unsupported_reason(q, k, k) is None:
-        return attention_lse(q, k, scale=scale, causal=causal)
-    return lse_fp32(q, k, attn_mask, is_causal, scale)
+        return attention_lse(q, k, scale=problem.scale, causal=problem.causal)
+    return lse_fp32(q, k, attn_mask, is_causal, problem.scale)
 
 
 @torch.library.custom_op("gproj::sdpa_fwd", mutates_args=())
@@ -95,20 +93,21 @@ def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_c
     with torch.no_grad():
         out = original_sdpa()(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
                               enable_gqa=enable_gqa)
+    problem = problem_for(q, k, attn_mask, is_causal, scale)  # the mask's flags, derived once per call
     if q.device.type == "cuda":
-        lse = _recomputed_lse(q, k, attn_mask, is_causal, default_scale(q.shape[-1], scale))
+        lse = _recomputed_lse(q, k, attn_mask, is_causal, problem)
     else:  # the CPU tiers need no LSE
         lse = q.new_empty((0,), dtype=torch.float32)
     from ..runtime import config
     cfg = config.active() or config.resolve(mode=mode)
-    aux = torch.tensor([_plan_call(q, k, v, out, lse, attn_mask, is_causal, scale, layer, cfg)], dtype=torch.int64)
+    aux = torch.tensor([_plan_call(q, k, v, out, lse, problem, layer, cfg)], dtype=torch.int64)
     return _in_query_layout(out, q, v), lse, aux
 
 
-def _plan_call(q, k, v, out, lse, attn_mask, is_causal, scale, layer: str, cfg: Config) -> int:
+def _plan_call(q, k, v, out, lse, problem: Problem, layer: str, cfg: Config) -> int:
     """The call's record and plan, made at the forward (inside the op, at run time: never a graph constant or
     a Dynamo guard) and filed for the backward op; returns the call number."""
-    record = CallRecord(problem_for(q, k, attn_mask, is_causal, scale), make_context("sdpa", layer or None, cfg))
+    record = CallRecord(problem, make_context("sdpa", layer or None, cfg))
     tensors = ForwardTensors(q, k, v, out, lse if lse.numel() else None)
     record = make_plan(record, tensors, has_original=True)  # "original": the uncorrected stand-in
     stand_in_kernel = (record.plan.tier == "original"

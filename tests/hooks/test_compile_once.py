@@ -271,3 +271,29 @@ def test_cuda_compiled_causal_mask_takes_the_triton_lse(monkeypatch):
     dq = _grads(masked, q, k, v, do)[1]
     assert ((dq.cpu().double() - dq_ref).norm() / dq_ref.norm()).item() < 1e-2
     assert gproj_patch.stats()["gproj"] == 1, gproj_patch.stats()
+
+
+@pytest.mark.parametrize("mask_kind,want", [("causal", "triton"), ("full", "triton"), ("banded", "chunked"),
+                                            ("none_causal", "triton")])
+def test_compiled_lse_choice_follows_the_problem(monkeypatch, mask_kind, want):
+    """The compiled forward derives the mask's flags once (``problem_for``); the LSE pass follows that problem: a
+    mask that is exactly the causal or the full pattern, or ``is_causal`` alone, takes the Triton launch (stubbed
+    here: on CPU it would refuse), any other mask the chunked FP32 pass — and the mask is compared only once."""
+    from gproj_patch.backends import triton_bwd, triton_lse
+    from gproj_patch.ops import masks, sdpa_call, sdpa_compiled
+    calls, compared = [], []
+    monkeypatch.setattr(triton_bwd, "kernel_unsupported_reason", lambda *a, **kw: None)
+    monkeypatch.setattr(triton_lse, "attention_lse", lambda q, k, scale, causal: calls.append(("triton", causal)))
+    monkeypatch.setattr(sdpa_compiled, "lse_fp32", lambda *a: calls.append(("chunked", None)))
+    real = masks.mask_as_flags
+    monkeypatch.setattr(sdpa_call, "mask_as_flags", lambda *a: compared.append(1) or real(*a))
+    q, k, _ = _inputs(0, shape=(1, 2, 16, 8))
+    i, j = torch.arange(16)[:, None], torch.arange(16)[None, :]
+    mask = {"causal": j <= i, "full": torch.ones(16, 16, dtype=torch.bool), "banded": (j <= i) & (j >= i - 3),
+            "none_causal": None}[mask_kind]
+    is_causal = mask_kind == "none_causal"
+    problem = sdpa_call.problem_for(q, k, mask, is_causal, None)
+    sdpa_compiled._recomputed_lse(q, k, mask, is_causal, problem)
+    assert [c[0] for c in calls] == [want] and len(compared) == 1
+    if want == "triton":
+        assert calls[0][1] == (mask_kind in ("causal", "none_causal"))
