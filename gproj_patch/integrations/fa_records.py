@@ -120,9 +120,7 @@ def planned(record: CallRecord, b: dict, out: Optional[torch.Tensor], lse: Optio
     """``record`` with its backward plan (``plan.make_plan``), from the call's q, k, v, output and LSE; the
     library's own backward is always there to run (``has_original``)."""
     varlen = arg(b, "cu_seqlens_q") is not None
-    q = arg(b, "q")
-    k, v = (arg(b, n, default=q) for n in ("k", "v"))  # (every flash-attn forward passes all three)
-    q, k, v = (to_bhsd(x, varlen) for x in (q, k, v))
+    q, k, v = (to_bhsd(arg(b, n), varlen) for n in ("q", "k", "v"))
     o = None if out is None else to_bhsd(out, varlen)
     return make_plan(record, ForwardTensors(q, k, v, o, lse), has_original=True)
 

@@ -162,7 +162,7 @@ def test_graph_cache_stays_bounded(monkeypatch):
 
 
 def _record():
-    b = {"q": torch.zeros(1, 4, 2, 8), "causal": True}
+    b = {"q": torch.zeros(1, 4, 2, 8), "k": torch.zeros(1, 4, 2, 8), "v": torch.zeros(1, 4, 2, 8), "causal": True}
     return fa_records.make_call_record(b, "flash_attn:dense", None)
 
 
