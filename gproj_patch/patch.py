@@ -35,10 +35,11 @@ _logger = logging.getLogger("gproj_patch")
 class _Enabled:
     """While the patch is on: its Config, what each target's install() said, the owning Handle and the log level
     to restore. One instance (``ENABLED``), mutated under ``_lock`` by enable()/disable(), never re-bound."""
-    config: Optional[_config.Config] = None
-    installed: Dict[str, str] = {}
-    owner: Optional["Handle"] = None
-    log_level: int = logging.NOTSET
+    def __init__(self) -> None:
+        self.config: Optional[_config.Config] = None
+        self.installed: Dict[str, str] = {}
+        self.owner: Optional["Handle"] = None
+        self.log_level: int = logging.NOTSET
 
     @property
     def on(self) -> bool:
