@@ -51,6 +51,27 @@ def load(monkeypatch):
     return module
 
 
+def install(monkeypatch):
+    """``load(monkeypatch)`` for the flash-attn hook's tests: the stand-in as ``flash_attn.cute.interface``, the
+    hook's FA2/FA3 op lists emptied (no flash-attn ops exist on the CPU), its call counters at zero."""
+    from gproj_patch.integrations import flash_attn as fa_hook
+    for name in ("FA2_OPS", "FA3_OPS", "FORWARD_OPS"):
+        monkeypatch.setattr(fa_hook, name, ())
+    module = load(monkeypatch)
+    module.CALLS.update(original=0, forward=0)
+    return module
+
+
+class KeepOut:
+    """``flash_attn_func`` as callers use it, keeping only ``out``: ``apply(q, k, v, causal, sink)``."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def apply(self, q, k, v, causal, sink):
+        return self.module.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink)[0]
+
+
 def _bhsd(t: torch.Tensor, varlen: bool) -> torch.Tensor:
     """FA4's (B, S, H, D) or varlen (total, H, D) as the backends' (B, H, S, D)."""
     return t.unsqueeze(0).transpose(1, 2) if varlen else t.transpose(1, 2)

@@ -1,18 +1,14 @@
 """Nothing of a call outlives its backward: live tensor bytes stay flat over repeated forward+backward on every
 path (issue 8.1: the inner SDPA's saved-tensor hooks kept every call's output, LSE and q/k/v aliases alive)."""
 import gc
-import importlib.machinery
-import sys
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import gproj_patch
-from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.integrations import fa_records
-from gproj_patch.integrations import flash_attn as fa_hook
+from tests.helpers import fa4_standin
 from tests.helpers.memory import CALLS, assert_tier_ran, flat as _flat
 
 pytestmark = pytest.mark.usefixtures("patch_off")
@@ -103,54 +99,11 @@ def test_hf_gproj_attention(mode, tier):
     assert_tier_ran(tier, CALLS * cfg.num_hidden_layers)
 
 
-def _fake_fa4(monkeypatch):
-    """A stand-in ``flash_attn.cute.interface`` with FA4's forward/backward functions, the backward reading its
-    JIT cache through the module global (as FA4 does)."""
-    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
-        m = types.ModuleType(name)
-        m.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
-        m.__path__ = []
-        monkeypatch.setitem(sys.modules, name, m)
-    iface = sys.modules["flash_attn.cute.interface"]
-
-    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, learnable_sink=None):
-        out, lse = reference_forward(*(t.transpose(1, 2) for t in (q, k, v)), scale=softmax_scale, causal=causal,
-                                     causal_align="bottom_right")
-        return out.to(q.dtype).transpose(1, 2).contiguous(), lse.float()
-
-    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, learnable_sink=None):
-        iface._flash_attn_bwd.compile_cache.setdefault("key", "compiled")  # FA4: state on the function object
-        grads = reference_backward(*(t.transpose(1, 2) for t in (q, k, v, dout)), scale=softmax_scale,
-                                   causal=causal, causal_align="bottom_right")
-        return tuple(g.to(q.dtype).transpose(1, 2) for g in grads)
-
-    _flash_attn_bwd.compile_cache = {}
-    iface._flash_attn_fwd, iface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
-
-    class FlashAttnFunc(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, causal, sink):
-            out, lse = iface._flash_attn_fwd(q, k, v, causal=causal, learnable_sink=sink)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.causal, ctx.sink = causal, sink
-            return out
-
-        @staticmethod
-        def backward(ctx, dout):
-            q, k, v, out, lse = ctx.saved_tensors
-            dq, dk, dv = iface._flash_attn_bwd(q, k, v, out, dout, lse, causal=ctx.causal, learnable_sink=ctx.sink)
-            return dq, dk, dv, None, None
-
-    monkeypatch.setattr(fa_hook, "FA2_OPS", ())
-    monkeypatch.setattr(fa_hook, "FA3_OPS", ())
-    monkeypatch.setattr(fa_hook, "FORWARD_OPS", ())
-    return iface, FlashAttnFunc
-
-
 @pytest.mark.parametrize("mode,tier", [("auto", "original"), ("gproj", "fp32")])
 def test_flash_attn_records_do_not_outlive_their_backward(monkeypatch, mode, tier):
     """auto keeps the original on these benign inputs; gproj runs the FP32 tier (CPU): no record left either way."""
-    iface, func = _fake_fa4(monkeypatch)
+    iface = fa4_standin.install(monkeypatch)  # flash-attn-4 4.0.0b36's interface, on CPU
+    func = fa4_standin.KeepOut(iface)
     gproj_patch.enable(mode=mode, targets=("flash_attn",))
     q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in _inputs())
 
@@ -166,7 +119,8 @@ def test_fa4_original_path_keeps_function_attributes(monkeypatch):
     """FA4's own backward (mode off: the original) reads ``_flash_attn_bwd.compile_cache`` through the module
     global: with the proxy in place that still works (issue 8.4: AttributeError before). The sink-specific
     version is tests/integrations/test_fa4_sinks.py."""
-    iface, func = _fake_fa4(monkeypatch)
+    iface = fa4_standin.install(monkeypatch)  # flash-attn-4 4.0.0b36's interface, on CPU
+    func = fa4_standin.KeepOut(iface)
     original = iface._flash_attn_bwd
     gproj_patch.enable(mode="off", targets=("flash_attn",))
     assert iface._flash_attn_bwd is not original and iface._flash_attn_bwd.compile_cache is original.compile_cache

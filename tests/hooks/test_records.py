@@ -8,7 +8,7 @@ import gproj_patch
 from gproj_patch import policy
 from gproj_patch.ops import sdpa as sdpa_op
 
-from test_memory import _fake_fa4
+from tests.helpers import fa4_standin
 
 
 pytestmark = pytest.mark.usefixtures("patch_off")
@@ -74,7 +74,7 @@ def test_named_layers_advance_the_step_and_are_resampled(monkeypatch):
 def test_flash_attn_layer_is_the_forwards_and_auto_keeps_one_record_per_layer(monkeypatch):
     """FA4-style stand-in: two layers, one with a 300σ key offset. Backwards run after every forward scope has
     closed; each must land in its own policy record, and only the sick layer leaves the original backward."""
-    _iface, func = _fake_fa4(monkeypatch)
+    func = fa4_standin.KeepOut(fa4_standin.install(monkeypatch))  # flash-attn-4 4.0.0b36's interface
     gproj_patch.enable(mode="auto", targets=("flash_attn",), sample_every=1)
     healthy = [t.transpose(1, 2).detach().requires_grad_() for t in _inputs(seed=1)]
     sick = [t.transpose(1, 2).detach().requires_grad_() for t in _inputs(seed=2)]
@@ -93,9 +93,9 @@ def test_flash_attn_layer_is_the_forwards_and_auto_keeps_one_record_per_layer(mo
 
 
 def test_flash_attn_backward_without_forward_record_is_reported(monkeypatch):
-    iface, _func = _fake_fa4(monkeypatch)
+    iface = fa4_standin.install(monkeypatch)  # flash-attn-4 4.0.0b36's interface
     q, k, v = (t.transpose(1, 2).detach() for t in _inputs())
-    out, lse = iface._flash_attn_fwd(q, k, v, causal=True)  # before enable(): no record
+    out, lse, *_ = iface._flash_attn_fwd(q, k, v, causal=True)  # before enable(): no record
     gproj_patch.enable(mode="gproj", targets=("flash_attn",))
     iface._flash_attn_bwd(q, k, v, out, torch.ones_like(out), lse, causal=True)
     assert any("no forward record" in r for r in gproj_patch.stats()["fallback_reasons"])
@@ -104,7 +104,8 @@ def test_flash_attn_backward_without_forward_record_is_reported(monkeypatch):
 def test_flash_attn_disable_between_forward_and_backward_changes_nothing(monkeypatch):
     """flash-attn's backward kernels are process-global: disable() keeps the corrected backward reachable until
     the forwards made under the patch have had their backward, then restores the originals by identity."""
-    iface, func = _fake_fa4(monkeypatch)
+    iface = fa4_standin.install(monkeypatch)  # flash-attn-4 4.0.0b36's interface
+    func = fa4_standin.KeepOut(iface)
     original = iface._flash_attn_bwd
     gproj_patch.enable(mode="fp32", targets=("flash_attn",))
     q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in _inputs(offset=64.0))

@@ -34,12 +34,7 @@ NO_RECORD = "no forward record"
 @pytest.fixture
 def fa4(monkeypatch):
     """The stand-in as ``flash_attn.cute.interface``; the FA2/FA3 ops left out (none exist on the CPU)."""
-    monkeypatch.setattr(fa_hook, "FA2_OPS", ())
-    monkeypatch.setattr(fa_hook, "FA3_OPS", ())
-    monkeypatch.setattr(fa_hook, "FORWARD_OPS", ())
-    iface = fa4_standin.load(monkeypatch)
-    iface.CALLS.update(original=0, forward=0)
-    return iface
+    return fa4_standin.install(monkeypatch)
 
 
 def _layer_inputs(seed, offset, total=None):

@@ -23,10 +23,8 @@ import gproj_patch
 from gproj_patch.backends.fp32_tier import fp32_backward
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.integrations import fa_records
-from gproj_patch.integrations import flash_attn as fa_hook
 
 from tests.helpers import fa4_standin
-from tests.helpers.fa4_standin import exact_attention
 from tests.helpers.numerics import rel as _rel
 
 BOUND = 5e-3          # corrected BF16 gradients (and dsink) against fp64: the issue's 0.5%
@@ -55,9 +53,7 @@ def fa4_with_sinks(monkeypatch, *, sink_backward=True):
     ``learnable_sink`` and returns dsink, flash-attention #2706); False: an earlier FA4, whose backward never
     sees the sink (its ``_flash_attn_bwd`` has no ``learnable_sink``). Returns (interface module, ``attend(q, k,
     v, causal, sink, softcap)`` -> out as a caller keeping only ``out`` gets it, the stand-in's call counters)."""
-    iface = fa4_standin.load(monkeypatch)
-    for name in ("FA2_OPS", "FA3_OPS", "FORWARD_OPS"):
-        monkeypatch.setattr(fa_hook, name, ())
+    iface = fa4_standin.install(monkeypatch)
     if sink_backward:
         def attend(q, k, v, causal, sink, softcap):
             return iface.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, softcap=softcap)[0]

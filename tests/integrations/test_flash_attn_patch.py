@@ -202,11 +202,7 @@ def _fake_fa4(monkeypatch):
     """flash-attn-4 4.0.0b36's ``flash_attn.cute.interface`` as the CPU stand-in (``tests/helpers/fa4_standin.py``): its
     ``FlashAttnFunc`` looks ``_flash_attn_fwd`` / ``_flash_attn_bwd`` up as module globals, returns
     ``(out, lse)`` and saves ``lse``; ``CALLS["original"]`` counts its own backward."""
-    iface = fa4_standin.load(monkeypatch)
-    monkeypatch.setattr(fa_hook, "FA2_OPS", ())
-    monkeypatch.setattr(fa_hook, "FA3_OPS", ())
-    monkeypatch.setattr(fa_hook, "FORWARD_OPS", ())
-    return iface
+    return fa4_standin.install(monkeypatch)
 
 
 @pytest.mark.parametrize("causal", [False, True])
