@@ -25,6 +25,19 @@ def _keys(shape, offset, gen, device):
     return k
 
 
+def _sink_v_do(q, k, sink, gen, dtype):
+    """The draws after q and k, in the order every case takes them: a sink direction (when ``sink``: the first
+    key pushed along it by ``sink``, every query by 2), then v and dO; all cast to ``dtype``."""
+    (B, H, SQ, D), (HKV, SK) = q.shape, k.shape[1:3]
+    if sink:
+        nu = torch.randn(D, generator=gen, device=q.device, dtype=torch.float64)
+        q = q + 2.0 * nu
+        k[:, :, 0] += sink * nu
+    v = torch.randn(B, HKV, SK, D, generator=gen, device=q.device, dtype=torch.float64)
+    do = torch.randn(B, H, SQ, D, generator=gen, device=q.device, dtype=torch.float64)
+    return tuple(x.to(dtype) for x in (q, k, v, do))
+
+
 def make_case(name, device="cuda", dtype=torch.bfloat16, seed=0):
     """(inputs dict, mask kwargs, gauge) for one named case. gauge: the case is in the gauge regime."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -79,13 +92,7 @@ def make_case(name, device="cuda", dtype=torch.bfloat16, seed=0):
     if name == "query_offset":
         q = q + 64.0 * torch.randn(D, generator=g, device=device, dtype=torch.float64)
     k = _keys((B, HKV, SK, D), offset, g, device)
-    if sink:
-        nu = torch.randn(D, generator=g, device=device, dtype=torch.float64)
-        q = q + 2.0 * nu
-        k[:, :, 0] += sink * nu
-    v = torch.randn(B, HKV, SK, D, generator=g, device=device, dtype=torch.float64)
-    do = torch.randn(B, H, SQ, D, generator=g, device=device, dtype=torch.float64)
-    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
+    q, k, v, do = _sink_v_do(q, k, sink, g, dtype)
     if name == "strided":
         q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) memory
         k = k.transpose(1, 2).contiguous().transpose(1, 2)
@@ -151,13 +158,7 @@ def make_odd(name, seed, device="cuda"):
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(B, H, SQ, D, generator=g, device=device, dtype=torch.float64)
     k = _keys((B, HKV, SK, D), offset, g, device)
-    if sink:
-        nu = torch.randn(D, generator=g, device=device, dtype=torch.float64)
-        q = q + 2.0 * nu
-        k[:, :, 0] += sink * nu
-    v = torch.randn(B, HKV, SK, D, generator=g, device=device, dtype=torch.float64)
-    do = torch.randn(B, H, SQ, D, generator=g, device=device, dtype=torch.float64)
-    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
+    q, k, v, do = _sink_v_do(q, k, sink, g, dtype)
     return dict(q=q, k=k, v=v, do=do), kw
 
 
