@@ -22,6 +22,8 @@ Imports of triton, transformers and flash-attn happen inside the functions: this
 | ``flex_identity_score_mod()``, ``FLEX_SLICED_MASK_MOD`` | ``torch.nn.attention.flex_attention._identity``; the name of the stub flex puts in a sliced BlockMask (``_sliced_mask_mod_error``) | torch 2.11, 2.13 | flex hook |
 | ``load_interpreted_module(name, path, interpret)`` | ``triton.knobs.runtime.interpret`` (read when a file's ``@triton.jit`` decorators run) and ``knobs.runtime.scope()`` | triton 3.6 | Triton kernel on CPU |
 | ``triton_interpreter_index_patch()`` | ``triton.runtime.interpreter._patch_lang_tensor`` | triton 3.6 | Triton kernel on CPU |
+| ``compiled_launcher(kernel)``, ``launch_hooks_set()`` | ``CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``; ``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` | triton 3.6 | prepared launches (host cost) |
+| ``current_cuda_stream(index)`` | ``torch._C._cuda_getCurrentRawStream`` | torch 2.11, 2.13 | prepared launches |
 | ``gluon_unsupported_reason(version)`` | ``triton.experimental.gluon`` (experimental: ``warp_specialize``'s signature, ``warpgroup_mma_init``, rank-1 ``NVMMASharedLayout`` TMA boxes) | triton 3.6 | Gluon KV-major kernel |
 
 This module imports nothing from the rest of the package.
@@ -280,3 +282,44 @@ def gluon_unsupported_reason(version: Optional[str] = None) -> Optional[str]:
     if any(version == v or version.startswith(v + ".") for v in GLUON_CHECKED_TRITON):
         return None
     return f"triton {version}: the Gluon kernel was checked against triton {', '.join(GLUON_CHECKED_TRITON)} only"
+
+
+# ---- Triton's compiled-kernel launcher (the host cost of a launch) ------------------------------------------
+#: Triton releases whose ``CompiledKernel`` launcher call ``compiled_launcher`` was checked against
+LAUNCHER_CHECKED_TRITON = ("3.6",)
+
+
+def compiled_launcher(kernel) -> Optional[Any]:
+    """``go(grid_x, grid_y, grid_z, stream, args)`` launching the compiled kernel ``kernel`` (what
+    ``JITFunction.run`` returned) as ``JITFunction.run`` does after its argument binding, or None where this
+    Triton's ``CompiledKernel`` is not the one checked. ``args``: every parameter of the kernel in signature order,
+    constexprs included (the launcher skips them), as ``JITFunction.run`` passes ``bound_args.values()``. Checked:
+    triton 3.6.0 (``CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
+    enter_hook, exit_hook, *args)``). The launch hooks (a profiler's) are not called: ``launch_hooks_set()`` says
+    when a caller must take Triton's own path instead."""
+    import triton
+    if not triton.__version__.startswith(LAUNCHER_CHECKED_TRITON):
+        return None
+    try:
+        run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
+    except AttributeError:
+        return None
+    if function is None or not callable(run):
+        return None
+
+    def go(grid_x: int, grid_y: int, grid_z: int, stream: int, args) -> None:
+        run(grid_x, grid_y, grid_z, stream, function, metadata, None, None, None, *args)
+    return go
+
+
+def launch_hooks_set() -> bool:
+    """True when Triton's launch enter/exit hooks are set (``triton.knobs.runtime``; a profiler such as Proton):
+    launches must then go through ``JITFunction.run``, which calls them. Checked: triton 3.6.0."""
+    from triton import knobs
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+
+
+def current_cuda_stream(device_index: int) -> int:
+    """The raw handle of the current CUDA stream of ``device_index`` (what Triton's launch path passes),
+    ``torch._C._cuda_getCurrentRawStream``. Checked: torch 2.11, 2.13."""
+    return torch._C._cuda_getCurrentRawStream(device_index)

@@ -13,6 +13,8 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from .launch_cache import PREPARED
+
 
 @dataclass
 class Launch:
@@ -87,13 +89,27 @@ def _strides(prefix: str, x: torch.Tensor, dims: str = "bhsd") -> dict:
     return {f"{prefix}_{d}": stride for d, stride in zip(dims, x.stride())}
 
 
+def tensor_arguments(kind: str, job: Launch, scratch: Scratch) -> dict:
+    """The tensor arguments of the ``kind`` launch by parameter name (placeholders included: a pointer whose flag is
+    off is never read)."""
+    if kind not in KERNELS:
+        raise ValueError(f"kind must be one of {tuple(KERNELS)}, got {kind!r}")
+    args = dict(Q=job.q, K=job.k, V=job.v, DO=job.do, Delta=scratch.delta, LSE2=scratch.lse2, LAM=scratch.lam,
+                CU_Q=job.cu_q, CU_K=job.cu_k)
+    if kind == "dq":
+        args.update(O=job.o, LSE=job.lse, SINK=job.sink if job.sink is not None else scratch.delta, DQ=job.dq,
+                    TGT=scratch.target)
+    else:
+        args.update(DK=job.dk, DV=job.dv)
+    return args
+
+
 def kernel_arguments(kind: str, job: Launch, scratch: Scratch, *, block_d: int) -> dict:
     """Every keyword argument of the ``kind`` launch ("dq": ``_bwd_dq``, "dkdv": ``_bwd_dkdv``) of ``job``: the
     kernel's parameters by name (constexpr flags included) plus the launch options num_warps and num_stages.
     Pure host work: the launch passes exactly this, and a compile check (benchmarks/ptx_snapshot.py) compiles
-    from it on a machine without a GPU."""
-    if kind not in KERNELS:
-        raise ValueError(f"kind must be one of {tuple(KERNELS)}, got {kind!r}")
+    from it on a machine without a GPU. Everything but the tensors is a function of ``launch_key(job)``."""
+    args = tensor_arguments(kind, job, scratch)
     q, k, v, do = job.q, job.k, job.v, job.do
     _, H, SQ, D = q.shape
     HKV, SK = k.shape[1], k.shape[2]
@@ -102,8 +118,7 @@ def kernel_arguments(kind: str, job: Launch, scratch: Scratch, *, block_d: int) 
     has_softcap = job.softcap > 0
     # softcap c: score = c·tanh(α s / c), the kernel takes cap_in = α / c and cap_out = c·log2 e (else unused)
     cap_in, cap_out = (job.alpha / job.softcap, job.softcap * LOG2_E) if has_softcap else (1.0, 1.0)
-    args = dict(
-        Q=q, K=k, V=v, DO=do, Delta=scratch.delta, LSE2=scratch.lse2, LAM=scratch.lam, CU_Q=job.cu_q, CU_K=job.cu_k,
+    args.update(
         **_strides("sq", q), **_strides("sk", k), **_strides("sv", v), **_strides("sdo", do),
         H=H, GROUP=H // HKV, SQ=SQ, SK=SK, HEAD_DIM=D, win_left=left, win_right=right,
         scale=job.alpha, scale_log2=job.alpha * LOG2_E, cap_in=cap_in, cap_out=cap_out,
@@ -114,13 +129,27 @@ def kernel_arguments(kind: str, job: Launch, scratch: Scratch, *, block_d: int) 
         EVEN_D=block_d == D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=job.dot_precision,
         num_warps=num_warps, num_stages=num_stages)
     if kind == "dq":
-        has_sink = job.sink is not None
-        args.update(O=job.o, LSE=job.lse, SINK=job.sink if has_sink else scratch.delta, DQ=job.dq,
-                    TGT=scratch.target, **_strides("so", job.o), **_strides("sl", job.lse, "bhs"),
-                    ssink=job.sink.stride(0) if has_sink else 0, **_strides("sdq", job.dq), HAS_SINK=has_sink)
+        args.update(**_strides("so", job.o), **_strides("sl", job.lse, "bhs"),
+                    ssink=job.sink.stride(0) if job.sink is not None else 0, **_strides("sdq", job.dq))
+        args["HAS_SINK"] = job.sink is not None
     else:
-        args.update(DK=job.dk, DV=job.dv, **_strides("sdk", job.dk), **_strides("sdv", job.dv), FUSED=job.fused)
+        args.update(**_strides("sdk", job.dk), **_strides("sdv", job.dv), FUSED=job.fused)
     return args
+
+
+def launch_key(job: Launch) -> tuple:
+    """What fixes every non-tensor argument of both launches of ``job`` and the dtype and strides of every tensor
+    (``launch_cache``): the inputs' dtypes, shapes and strides, the sink's, the varlen sizes, the mask and the
+    options. The outputs and the scratch are not in it: ``triton_bwd`` allocates them from the inputs (dq, dk, dv
+    ``empty_like`` q, k, v, whose strides follow from those; the scratch contiguous of a fixed shape), and each
+    tensor's 16-byte alignment is checked at every replay. The cu_seqlens placeholder (q) adds nothing."""
+    q, k, v, do, o, lse, sink = job.q, job.k, job.v, job.do, job.o, job.lse, job.sink
+    inputs = (q.dtype, q.device.index, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape),
+              v.stride(), do.dtype, do.stride(), o.dtype, o.stride(), lse.stride(),
+              None if sink is None else (sink.dtype, sink.stride()),
+              (job.cu_q.dtype, job.cu_q.stride(), job.cu_k.stride()) if job.varlen else None)
+    return inputs + (job.varlen, job.n_problems, job.max_q, job.max_k, job.window, job.bottom_right, job.alpha,
+                     job.softcap, job.correct, job.fused, job.cfg_dq, job.cfg_dkdv, job.dot_precision)
 
 
 def grid(kind: str, job: Launch) -> Tuple[int, int, int]:
@@ -140,13 +169,24 @@ def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernel
     kq = kk = None
     if job.max_q == 0:
         return scratch.target  # every sequence has no query: dk, dv are the zeros already there
+    # compiled launches replay a prepared launch of the same shape class (launch_cache); interpreted ones bind
+    key = None if interpret else launch_key(job)
+
+    def run(kind: str):
+        fn = getattr(km, KERNELS[kind])
+        if interpret:
+            return fn[grid(kind, job)](**kernel_arguments(kind, job, scratch, block_d=block_d))
+        return PREPARED.launch(fn, None if key is None else (kind, id(fn)) + key, grid(kind, job),
+                               lambda: tensor_arguments(kind, job, scratch),
+                               lambda: kernel_arguments(kind, job, scratch, block_d=block_d))
+
     if "dq" in parts:  # also when every sequence has no key: it writes dq = 0 and the sink target
-        kq = km._bwd_dq[grid("dq", job)](**kernel_arguments("dq", job, scratch, block_d=block_d))
+        kq = run("dq")
     if "dkdv" in parts and job.max_k > 0 and job.kv_major == "gluon":
         from .gluon_bwd import launch_dkdv
         kk = launch_dkdv(job, scratch.delta, scratch.lse2, scratch.lam, job.gluon_config)
     elif "dkdv" in parts and job.max_k > 0:
-        kk = km._bwd_dkdv[grid("dkdv", job)](**kernel_arguments("dkdv", job, scratch, block_d=block_d))
+        kk = run("dkdv")
     if not interpret:
         last_kernels.clear()
         for name, kern in (("dq", kq), ("dkdv", kk)):

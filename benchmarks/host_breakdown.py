@@ -1,0 +1,175 @@
+"""Host µs of one hooked SDPA call at a tiny shape, taken apart layer by layer (issue 21 item 2), in one run.
+
+At 1·2·128·64 causal the GPU work is a few µs, so a loop of calls without a synchronize per call is bound by the
+host: its µs per call is host time. Rows (each the median of ``--reps`` blocks of ``--n`` calls):
+
+    unpatched fwd+bwd             the builtin (cuDNN / flash), the reference
+    auto fwd+bwd                  the patch passing the call through (benign keys, unsampled calls)
+    gproj fwd                     the patched forward alone (graph built, no backward)
+    gproj fwd+bwd [bind|prepared] the whole call with Triton's argument binding / with prepared launches
+    launch_backward [bind|prep.]  the backend's host path alone on saved tensors (allocations, job, two launches)
+    two launches [bind|prepared]  the two kernel launches alone (arguments built once)
+    6 allocations                 torch.empty of the outputs and scratch
+
+then a cProfile (tottime) of the prepared call. ``bind`` turns the prepared launches off (``triton_launch
+.launch_key`` returning None: Triton's own path), as before issue 21.
+
+    PYTHONPATH=. python benchmarks/host_breakdown.py [--shape 1,2,128,64] [--n 300] [--reps 5] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import gproj_patch  # noqa: E402
+from gproj_patch.backends import launch_cache, triton_bwd, triton_launch  # noqa: E402
+from gproj_patch.backends.spec import MaskSpec  # noqa: E402
+
+CAUSAL = MaskSpec(causal=True, causal_align="top_left", window=(-1, -1), softcap=0.0)
+
+
+def per_call_us(fn, n, reps):
+    """Median over ``reps`` blocks of µs per call of ``fn`` (``n`` calls a block, one synchronize a block)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    blocks = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        blocks.append((time.perf_counter() - t) / n * 1e6)
+    return statistics.median(blocks)
+
+
+class Binding:
+    """Prepared launches off (Triton's own binding on every launch) while active."""
+
+    def __enter__(self):
+        self._key = triton_launch.launch_key
+        triton_launch.launch_key = lambda job: None
+        return self
+
+    def __exit__(self, *exc):
+        triton_launch.launch_key = self._key
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="1,2,128,64")
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    B, H, S, D = (int(x) for x in args.shape.split(","))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def call():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+
+    def forward():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    rows = {}
+    gproj_patch.disable()
+    rows["unpatched fwd+bwd"] = per_call_us(call, args.n, args.reps)
+    gproj_patch.enable(mode="auto", sample_every=10 ** 6)
+    rows["auto fwd+bwd"] = per_call_us(call, args.n, args.reps)
+    gproj_patch.disable()
+    gproj_patch.enable(mode="gproj")
+    rows["gproj fwd"] = per_call_us(forward, args.n, args.reps)
+    with Binding():
+        rows["gproj fwd+bwd bind"] = per_call_us(call, args.n, args.reps)
+    rows["gproj fwd+bwd prepared"] = per_call_us(call, args.n, args.reps)
+    stats = gproj_patch.stats()
+    gproj_patch.disable()
+
+    # the backend alone, on tensors as the router passes them
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+    lse = torch.logsumexp((qd.float() @ kd.float().transpose(-1, -2)) * D ** -0.5
+                          + torch.full((S, S), float("-inf"), device="cuda").triu(1), -1)
+
+    def backend():
+        triton_bwd.launch_backward(do, qd, kd, vd, o, lse, scale=None, mask=CAUSAL, correct=True, kv_major="tl")
+    with Binding():
+        rows["launch_backward bind"] = per_call_us(backend, args.n, args.reps)
+    rows["launch_backward prepared"] = per_call_us(backend, args.n, args.reps)
+
+    # the two launches alone, their arguments built once
+    jobs = []
+    orig = triton_bwd._launch
+    triton_bwd._launch = lambda km, interpret, job: jobs.append((km, job)) or orig(km, interpret, job)
+    try:
+        backend()
+    finally:
+        triton_bwd._launch = orig
+    km, job = jobs[-1]
+    scratch = triton_launch.allocate_scratch(job)
+    bd = triton_bwd.block_d(D)
+    kinds = [(getattr(km, triton_launch.KERNELS[kind]), triton_launch.grid(kind, job),
+              triton_launch.kernel_arguments(kind, job, scratch, block_d=bd), kind) for kind in ("dq", "dkdv")]
+
+    def bound_launches():
+        for fn, grid, kw, _ in kinds:
+            fn[grid](**kw)
+    rows["two launches bind"] = per_call_us(bound_launches, args.n, args.reps)
+    key = triton_launch.launch_key(job)
+    prepared = [launch_cache.PREPARED.get((kind, id(fn)) + key) for fn, _, _, kind in kinds]
+    tensors = [triton_launch.tensor_arguments(kind, job, scratch) for *_, kind in kinds]
+    if all(p is not None for p in prepared):
+        from gproj_patch.backends.compat import current_cuda_stream
+
+        def replays():
+            stream = current_cuda_stream(q.device.index)
+            for p, ts in zip(prepared, tensors):
+                p.replay(ts, stream)
+        rows["two launches prepared"] = per_call_us(replays, args.n, args.reps)
+
+    def allocations():
+        for _ in range(3):
+            torch.empty_like(qd)
+        for _ in range(3):
+            torch.empty((B * H, S), dtype=torch.float32, device="cuda")
+    rows["6 allocations"] = per_call_us(allocations, args.n, args.reps)
+
+    gproj_patch.enable(mode="gproj")
+    with cProfile.Profile() as profile:  # 200 prepared calls
+        for _ in range(200):
+            call()
+        torch.cuda.synchronize()
+    gproj_patch.disable()
+    buf = io.StringIO()
+    pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(25)
+    print(buf.getvalue())
+
+    base = rows["unpatched fwd+bwd"]
+    print(f"host µs per call at {B}·{H}·{S}·{D} causal (median of {args.reps} blocks of {args.n}); tiers {stats}")
+    print(f"{'what':32s} {'µs':>8s} {'over unpatched':>15s}")
+    for name, us in rows.items():
+        print(f"{name:32s} {us:8.1f} {us - base:+15.1f}" if "fwd" in name else f"{name:32s} {us:8.1f}")
+    print(f"prepared launches: {launch_cache.PREPARED.hits} hits, {launch_cache.PREPARED.misses} misses")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
+            json.dump(dict(shape=[B, H, S, D], rows=rows, profile=buf.getvalue()), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
