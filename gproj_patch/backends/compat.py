@@ -313,10 +313,19 @@ def compiled_launcher(kernel) -> Optional[Any]:
 
 
 def launch_hooks_set() -> bool:
-    """True when Triton's launch enter/exit hooks are set (``triton.knobs.runtime``; a profiler such as Proton):
-    launches must then go through ``JITFunction.run``, which calls them. Checked: triton 3.6.0."""
+    """True when a Triton launch enter/exit hook is set (``triton.knobs.runtime``; a profiler such as Proton):
+    launches must then go through ``JITFunction.run``, which calls them. Triton 3.6 keeps each as a ``HookChain``
+    (never None; set when its ``calls`` list is not empty); a plain callable set in its place counts as set.
+    Checked: triton 3.6.0."""
     from triton import knobs
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    return _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
+
+
+def _hook_set(hook) -> bool:
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if isinstance(calls, list) else True
 
 
 def current_cuda_stream(device_index: int) -> int:

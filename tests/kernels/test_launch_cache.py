@@ -104,6 +104,19 @@ def test_equal_keys_mean_equal_arguments_and_distinct_variants_distinct_keys(mon
     assert len(set(keys)) == len(keys) - 1, [n for n, k in zip(names, keys) if keys.count(k) > 1]
 
 
+def test_launch_hooks_are_seen_as_set_only_when_one_is_added():
+    from triton import knobs
+    from gproj_patch.backends.compat import launch_hooks_set
+    assert not launch_hooks_set()  # Triton 3.6's empty HookChains
+    hook = [].append
+    knobs.runtime.launch_exit_hook.add(hook)
+    try:
+        assert launch_hooks_set()
+    finally:
+        knobs.runtime.launch_exit_hook.remove(hook)
+    assert not launch_hooks_set()
+
+
 def test_launch_cache_is_a_bounded_lru():
     cache = launch_cache.LaunchCache(capacity=3)
     entries = {i: object() for i in range(5)}
@@ -170,11 +183,12 @@ def test_misaligned_tensor_and_launch_hooks_take_tritons_path():
     for a, b in zip(ref, shifted):
         assert torch.equal(a, b)
     seen = []
-    knobs.runtime.launch_enter_hook = lambda metadata: seen.append(metadata)
+    hook = seen.append
+    knobs.runtime.launch_enter_hook.add(hook)  # Triton 3.6: a HookChain, as a profiler adds to it
     try:
         hooked = _cuda_call()
     finally:
-        knobs.runtime.launch_enter_hook = None
+        knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 2 and launch_cache.PREPARED.hits == hits
     for a, b in zip(ref, hooked):
         assert torch.equal(a, b)
