@@ -77,6 +77,85 @@ class Frozen:
         gc.unfreeze()
 
 
+def instrumented(call, q, do, n):
+    """Inclusive µs per call of the hooked call's forward and backward halves and of the backward's layers (each
+    wrapped in a perf_counter pair, on whatever thread runs it), gproj mode, prepared launches."""
+    from gproj_patch.dispatch import router
+    from gproj_patch.ops import sdpa as ops_sdpa
+    totals = {}
+
+    def wrap(owner, name, label):
+        inner = getattr(owner, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - t
+        setattr(owner, name, timed)
+        return owner, name, inner
+    gproj_patch.enable(mode="gproj")
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    patched = [wrap(ops_sdpa, "_backward", "ops.sdpa._backward (Function body)"),
+               wrap(ops_sdpa, "backward_tensors", "  backward_tensors"),
+               wrap(ops_sdpa, "run_backward", "  router.run_backward"),
+               wrap(router, "_run_kernel", "    router._run_kernel"),
+               wrap(triton_bwd, "launch_backward", "      triton_bwd.launch_backward"),
+               wrap(triton_bwd, "_launch", "        triton_bwd._launch (launches)")]
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            t1 = time.perf_counter()
+            out.backward(do)
+            t2 = time.perf_counter()
+            totals["forward (main thread)"] = totals.get("forward (main thread)", 0.0) + t1 - t
+            totals["backward() call (main thread)"] = totals.get("backward() call (main thread)", 0.0) + t2 - t1
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, inner in patched:
+            setattr(owner, name, inner)
+        gproj_patch.disable()
+    return {k: v / n * 1e6 for k, v in sorted(totals.items(), key=lambda kv: "0" + kv[0] if "main" in kv[0] else kv[0])}
+
+
+def engine_rows(q, do, n, reps):
+    """What running Python in the autograd engine's device thread costs: a Function whose backward returns the
+    gradient as it is, and one whose backward runs the same Python work (a loop of small objects) as on the main
+    thread."""
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def busy():
+        acc = 0
+        for i in range(2000):
+            acc += len({"a": i, "b": (i, i)})
+        return acc
+
+    class Busy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            busy()
+            return g
+    rows = {"identity Function fwd+bwd": per_call_us(lambda: Identity.apply(q).backward(do), n, reps),
+            "busy Function fwd+bwd": per_call_us(lambda: Busy.apply(q).backward(do), n, reps),
+            "busy() on the main thread": per_call_us(busy, n, reps)}
+    return rows
+
+
 class Binding:
     """Prepared launches off (Triton's own binding on every launch) while active."""
 
@@ -177,6 +256,9 @@ def main():
             torch.empty((B * H, S), dtype=torch.float32, device="cuda")
     rows["6 allocations"] = per_call_us(allocations, args.n, args.reps)
 
+    inclusive = instrumented(call, q, do, args.n)
+    rows.update(engine_rows(q, do, args.n, args.reps))
+
     gproj_patch.enable(mode="gproj")
     with cProfile.Profile() as profile:  # 200 prepared calls
         for _ in range(200):
@@ -192,12 +274,15 @@ def main():
     print(f"{'what':32s} {'µs':>8s} {'over unpatched':>15s}")
     for name, us in rows.items():
         print(f"{name:32s} {us:8.1f} {us - base:+15.1f}" if "fwd" in name else f"{name:32s} {us:8.1f}")
+    print("inclusive host µs per call of the backward's layers (perf_counter around each, gproj prepared):")
+    for name, us in inclusive.items():
+        print(f"  {name:40s} {us:8.1f}")
     print(f"prepared launches: {launch_cache.PREPARED.hits} hits, {launch_cache.PREPARED.misses} misses")
     print(f"gc collections per 1000 calls (gen 0, 1, 2): {gc_per_1000}; objects tracked {len(gc.get_objects())}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
-            json.dump(dict(shape=[B, H, S, D], rows=rows, gc_per_1000=gc_per_1000, profile=buf.getvalue()), f, indent=1)
+            json.dump(dict(shape=[B, H, S, D], rows=rows, inclusive=inclusive, gc_per_1000=gc_per_1000, profile=buf.getvalue()), f, indent=1)
 
 
 if __name__ == "__main__":
