@@ -227,17 +227,35 @@ def load_interpreted_module(name: str, path: str, interpret: bool):
     """The Python file ``path`` loaded as module ``name`` with Triton's interpreter on (``interpret``) or off:
     Triton decides when a file's ``@triton.jit`` decorators run (its ``knobs.runtime.interpret``, which defaults
     to the TRITON_INTERPRET variable), so the same kernels load as a compiled and an interpreted copy; the knob is
-    set inside ``knobs.runtime.scope()`` (restored afterwards) and no environment variable is read or written."""
+    set inside ``knobs.runtime.scope()`` (restored afterwards) and no environment variable is read or written.
+
+    ``name``'s parent (one per mode, e.g. ``gproj_patch.backends._interp``) is a package made here over
+    ``path``'s folder, so the file's relative imports of its helper files (``from .triton_tiles import ...``)
+    load them within this call, in the same mode, as its siblings: a kernel never calls a helper of the other
+    mode. A file already loaded there (another file's helper) is returned as it is; a parent that exists but was
+    not made for this mode raises ValueError."""
     import importlib.util
+    import os
     import sys
+    import types
 
     from triton import knobs
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
+    parent = name.rpartition(".")[0]
     with knobs.runtime.scope():
         knobs.runtime.interpret = bool(interpret)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+        pkg = sys.modules.get(parent)
+        if pkg is None:
+            pkg = sys.modules[parent] = types.ModuleType(parent, "Triton kernel files loaded in one mode")
+            pkg.__path__ = [os.path.dirname(os.path.abspath(path))]
+            pkg.triton_interpret = bool(interpret)
+        if getattr(pkg, "triton_interpret", None) is not bool(interpret):
+            raise ValueError(f"{parent!r} is not a package of kernel files loaded with interpret={interpret}")
+        mod = sys.modules.get(name)
+        if mod is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
     return mod
 
 

@@ -149,13 +149,14 @@ _modules = {}
 
 def kernel_module(interpret: bool, source: str = "triton_kernels"):
     """The kernel module ``source`` (a file of this folder), compiled (CUDA) or interpreted (CPU tensors), each
-    loaded once (``compat.load_interpreted_module``)."""
+    loaded once with its helper files in the same mode, as ``gproj_patch.backends._cuda.<source>`` or
+    ``._interp.<source>`` (``compat.load_interpreted_module``)."""
     key = ("interp" if interpret else "cuda", source)
     with _lock:
         mod = _modules.get(key)
         if mod is None:
             path = os.path.join(os.path.dirname(__file__), f"{source}.py")
-            mod = _modules[key] = load_interpreted_module(f"gproj_patch.backends._{source}_{key[0]}", path, interpret)
+            mod = _modules[key] = load_interpreted_module(f"gproj_patch.backends._{key[0]}.{source}", path, interpret)
         return mod
 
 

@@ -15,21 +15,18 @@ or ``triton_bwd.FP32_DOT_PRECISION`` for the FP32 tier's fp32 inputs ("tf32x3": 
 Masks (causal in both alignments, window) are a window (left, right) around the diagonal ``i + shift``; causal is
 right = 0. A program walks its tiles in three ranges, masked edge / unmasked interior / masked edge, through one
 loop per kernel (``_dq_tiles``, ``_dkdv_tiles``); constexpr flags are passed by keyword at every call. The
-launches' arguments: ``triton_launch.kernel_arguments``. ``triton_bwd`` loads this module twice when needed,
-compiled (CUDA) and interpreted (``TRITON_INTERPRET=1``, CPU tensors); do not import it directly.
+per-tile steps both kernels share (the problem's segment, tile loads and stores, P from the raw scores under a
+softcap) are in ``triton_tiles.py``. The launches' arguments: ``triton_launch.kernel_arguments``. ``triton_bwd``
+loads this module twice when needed, compiled (CUDA) and interpreted (``TRITON_INTERPRET=1``, CPU tensors), each
+time with its ``triton_tiles`` in the same mode (``compat.load_interpreted_module``); do not import it directly.
 """
 import triton
 import triton.language as tl
 
+from .triton_tiles import load_pair, load_rows, probs, segment, store_tile
+
 #: log2(e) = 1/ln 2: exp(x) = 2^(x·RCP_LN2), and a natural-log LSE becomes a base-2 one
 RCP_LN2 = tl.constexpr(1.4426950408889634)
-#: −2/ln 2: e^(−2|y|) = 2^(|y|·NEG_2_RCP_LN2), the exponential in tanh|y| = (1 − e^(−2|y|)) / (1 + e^(−2|y|))
-NEG_2_RCP_LN2 = tl.constexpr(-2.8853900817779268)
-#: below this |y| (1/16), tanh's series y − y³/3 + 2y⁵/15 replaces the exp2 form (its 1 − e^(−2|y|) cancels)
-TANH_SERIES_BELOW = tl.constexpr(0.0625)
-#: the series' coefficients: tanh y = y·(1 − y²·(TANH_C3 − y²·TANH_C5)) + O(y⁷)
-TANH_C3 = tl.constexpr(0.3333333333333333)  # 1/3
-TANH_C5 = tl.constexpr(0.13333333333333333)  # 2/15
 #: columns of the dQ-major row-sum accumulator (tl.dot's smallest N): column 0 gathers ρ = Σ t, column 1 m = Σ r
 ROWSUM_WIDTH = tl.constexpr(16)
 RHO_COL = tl.constexpr(0)
@@ -50,53 +47,6 @@ def _rowsum(x):
 
 
 @triton.jit
-def _segment(CU_Q, CU_K, z, SQ, SK, VARLEN: tl.constexpr):
-    """(batch, q_start, q_len, k_start, k_len) of problem z: a batch entry, or one varlen sequence."""
-    if VARLEN:
-        q_start = tl.load(CU_Q + z).to(tl.int32)
-        q_len = tl.load(CU_Q + z + 1).to(tl.int32) - q_start
-        k_start = tl.load(CU_K + z).to(tl.int32)
-        k_len = tl.load(CU_K + z + 1).to(tl.int32) - k_start
-        b = z * 0
-    else:
-        q_start = z * 0
-        q_len = SQ + z * 0
-        k_start = z * 0
-        k_len = SK + z * 0
-        b = z
-    return b.to(tl.int64), q_start, q_len, k_start, k_len
-
-
-@triton.jit
-def _load_rows(A, sa_s, sa_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
-    """A (len(offs), BLOCK_D) tile of rows ``offs`` (rows >= n and columns >= HEAD_DIM read as 0)."""
-    if EVEN:
-        a = tl.load(A + offs[:, None] * sa_s + offs_d[None, :] * sa_d)
-    else:
-        a = tl.load(A + offs[:, None] * sa_s + offs_d[None, :] * sa_d,
-                    mask=(offs[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    return a
-
-
-@triton.jit
-def _load_pair(A, B, sa_s, sa_d, sb_s, sb_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
-    """Two tiles of the same rows (``_load_rows``)."""
-    a = _load_rows(A, sa_s, sa_d, offs, n, offs_d, HEAD_DIM, EVEN=EVEN)
-    b = _load_rows(B, sb_s, sb_d, offs, n, offs_d, HEAD_DIM, EVEN=EVEN)
-    return a, b
-
-
-@triton.jit
-def _store_tile(P, x, s_s, s_d, offs, n, offs_d, HEAD_DIM, EVEN: tl.constexpr):
-    """``x`` stored in P's dtype to rows ``offs`` (rows >= n and columns >= HEAD_DIM left alone)."""
-    if EVEN:
-        tl.store(P + offs[:, None] * s_s + offs_d[None, :] * s_d, x.to(P.dtype.element_ty))
-    else:
-        tl.store(P + offs[:, None] * s_s + offs_d[None, :] * s_d, x.to(P.dtype.element_ty),
-                 mask=(offs[:, None] < n) & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
 def _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LSE2, TGT, row, offs_m, q_len,
                offs_d, HEAD_DIM, HAS_SINK: tl.constexpr, EVEN: tl.constexpr):
     """(D, base-2 LSE, T) of the rows ``offs_m``, also stored to scratch at ``row`` for the KV-major kernel.
@@ -104,7 +54,7 @@ def _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LS
     D = rowsum(dO ∘ O) in fp32 from the saved output; LSE2 = LSE·log2 e, +inf where the LSE is -inf (rows that
     saw no key) and on rows past the end; T = P_sink·D with a sink (P_sink = 0 where LSE2 = +inf), else 0."""
     inside = offs_m < q_len
-    o = _load_rows(O_base, so_s, so_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN)
+    o = load_rows(O_base, so_s, so_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN)
     # D_i = Σ_d dO_id·O_id (fp32): the row sum of P∘dP, from the saved output (FA's preprocess)
     delta = _rowsum(o.to(tl.float32) * do.to(tl.float32))
     # base-2 LSE; a row that saw no key (LSE = -inf) gets +inf, so every P = 2^(s − LSE2) of it is exactly 0
@@ -123,28 +73,6 @@ def _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LS
 
 
 @triton.jit
-def _probs(s, lse2b, scale_log2, cap_in, cap_out, SOFTCAP: tl.constexpr):
-    """P = exp(score − lse) from the raw dot s = q·k (fp32), and τ' = 1 − tanh² under a softcap.
-
-    Softcap: score = c·tanh(α s / c); ``cap_in`` = α / c, ``cap_out`` = c·log2(e). tanh from exp2 (no
-    overflow), with a short series for |y| < 1/16 where 1 − e^{−2|y|} would cancel."""
-    if SOFTCAP:
-        y = s * cap_in  # y = α s / c
-        ay = tl.abs(y)
-        e = tl.math.exp2(ay * NEG_2_RCP_LN2)  # e^(−2|y|) ∈ (0, 1]: no overflow
-        th = (1.0 - e) / (1.0 + e)  # tanh |y|
-        y2 = ay * ay
-        th = tl.where(ay < TANH_SERIES_BELOW, ay * (1.0 - y2 * (TANH_C3 - y2 * TANH_C5)), th)
-        th = tl.where(y < 0.0, -th, th)  # tanh is odd
-        p = tl.math.exp2(th * cap_out - lse2b)  # P = exp(c·tanh y − LSE), in base 2
-        tau = 1.0 - th * th  # τ' = d tanh / dy: the chain rule from the capped score to s
-    else:
-        p = tl.math.exp2(s * scale_log2 - lse2b)  # P = exp(α s − LSE), in base 2
-        tau = p  # unused
-    return p, tau
-
-
-@triton.jit
 def _dq_tiles(acc, racc, sacc, start, end, q, do, lse2, delta, e0, e1, col, offs_m,
               K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right, scale_log2,
               cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP: tl.constexpr,
@@ -155,10 +83,10 @@ def _dq_tiles(acc, racc, sacc, start, end, q, do, lse2, delta, e0, e1, col, offs
     edge or the end of the keys (``where`` on P); ``EVEN_N``: no tile runs past the last key (unmasked loads)."""
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM,
-                          EVEN=EVEN_N and EVEN_D)
+        k, v = load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM,
+                         EVEN=EVEN_N and EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw scores q·kᵀ (fp32 accumulation)
-        p, tau = _probs(s, lse2[:, None], scale_log2, cap_in, cap_out, SOFTCAP=SOFTCAP)
+        p, tau = probs(s, lse2[:, None], scale_log2, cap_in, cap_out, SOFTCAP=SOFTCAP)
         if MASK:  # key j visible from row i iff j < k_len and diag − left ≤ j ≤ diag + right, diag = i + shift
             vis = offs_n[None, :] < k_len
             diag = offs_m[:, None] + shift
@@ -205,7 +133,7 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) blocks first
     h = tl.program_id(1)
     z = tl.program_id(2)
-    b64, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, z, SQ, SK, VARLEN=VARLEN)
+    b64, q_start, q_len, k_start, k_len = segment(CU_Q, CU_K, z, SQ, SK, VARLEN=VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 < q_len:
         if BOTTOM_RIGHT:
@@ -220,8 +148,8 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
         K_base = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_s
         V_base = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_s
         row = (b64 * H + h) * SQ + q_start + offs_m
-        q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
-                           EVEN=EVEN_M and EVEN_D)
+        q, do = load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
+                          EVEN=EVEN_M and EVEN_D)
         O_base = O + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_s
         LSE_base = LSE + b64 * sl_b + h.to(tl.int64) * sl_h + q_start.to(tl.int64) * sl_s
         delta, lse2, target = _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LSE2, TGT,
@@ -292,8 +220,8 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
                 tl.store(LAM + row, lam, mask=offs_m < q_len)
         else:
             dq = acc * scale
-        _store_tile(DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s, dq, sdq_s, sdq_d,
-                    offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
+        store_tile(DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s, dq, sdq_s, sdq_d,
+                   offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
 
 
 @triton.jit
@@ -307,8 +235,8 @@ def _dkdv_tiles(dk, dv, k, v, start, end, offs_n, Q_base, DO_base, sq_s, sq_d, s
     tiles cross the window's edge or the end of the rows; ``EVEN_M``: no tile runs past the last row."""
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q, do = _load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
-                           EVEN=EVEN_M and EVEN_D)
+        q, do = load_pair(Q_base, DO_base, sq_s, sq_d, sdo_s, sdo_d, offs_m, q_len, offs_d, HEAD_DIM,
+                          EVEN=EVEN_M and EVEN_D)
         # the rows' base-2 LSE, D and λ from the dQ-major launch (rows past the end: P = 0, no D, no λ)
         if EVEN_M:
             lse2 = tl.load(LSE2 + row0 + offs_m)
@@ -321,7 +249,7 @@ def _dkdv_tiles(dk, dv, k, v, start, end, offs_n, Q_base, DO_base, sq_s, sq_d, s
             if CORRECT:
                 lam = tl.load(LAM + row0 + offs_m, mask=offs_m < q_len, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # Sᵀ = K·Qᵀ (raw scores, fp32)
-        pT, tauT = _probs(sT, lse2[None, :], scale_log2, cap_in, cap_out, SOFTCAP=SOFTCAP)
+        pT, tauT = probs(sT, lse2[None, :], scale_log2, cap_in, cap_out, SOFTCAP=SOFTCAP)
         if COLMASK:  # keys past the end (padding of the last tile): keep their scratch P finite
             pT = tl.where(offs_n[:, None] < k_len, pT, 0.0)
         if MASK:  # key j visible from row i iff i < q_len and diag − left ≤ j ≤ diag + right, diag = i + shift
@@ -369,7 +297,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     z = tl.program_id(2)
-    b64, q_start, q_len, k_start, k_len = _segment(CU_Q, CU_K, z, SQ, SK, VARLEN=VARLEN)
+    b64, q_start, q_len, k_start, k_len = segment(CU_Q, CU_K, z, SQ, SK, VARLEN=VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 < k_len:
         if BOTTOM_RIGHT:
@@ -380,8 +308,8 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
         offs_d = tl.arange(0, BLOCK_D)
         K_base = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_s
         V_base = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_s
-        k, v = _load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM,
-                          EVEN=EVEN_N and EVEN_D)
+        k, v = load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM,
+                         EVEN=EVEN_N and EVEN_D)
         dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
         dv = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
 
@@ -431,7 +359,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, Delta, LSE2, LAM, CU_Q, CU_K,
                                  EVEN_D=EVEN_D, BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION)
 
         dk = dk * scale
-        _store_tile(DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_s, dk, sdk_s, sdk_d,
-                    offs_n, k_len, offs_d, HEAD_DIM, EVEN=EVEN_N and EVEN_D)
-        _store_tile(DV + b64 * sdv_b + hk.to(tl.int64) * sdv_h + k_start.to(tl.int64) * sdv_s, dv, sdv_s, sdv_d,
-                    offs_n, k_len, offs_d, HEAD_DIM, EVEN=EVEN_N and EVEN_D)
+        store_tile(DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_s, dk, sdk_s, sdk_d,
+                   offs_n, k_len, offs_d, HEAD_DIM, EVEN=EVEN_N and EVEN_D)
+        store_tile(DV + b64 * sdv_b + hk.to(tl.int64) * sdv_h + k_start.to(tl.int64) * sdv_s, dv, sdv_s, sdv_d,
+                   offs_n, k_len, offs_d, HEAD_DIM, EVEN=EVEN_N and EVEN_D)

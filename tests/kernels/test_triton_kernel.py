@@ -256,12 +256,31 @@ def test_kernel_constants_are_their_formulas():
     row-sum columns."""
     import math
     km = triton_bwd.kernel_module(True)
+    tiles = triton_bwd.kernel_module(True, "triton_tiles")
     lse_km = triton_bwd.kernel_module(True, "triton_lse_kernels")
     value = lambda c: getattr(c, "value", c)  # noqa: E731 - tl.constexpr or a plain number
-    assert value(km.RCP_LN2) == 1 / math.log(2) and value(km.NEG_2_RCP_LN2) == -2 / math.log(2)
-    assert value(km.TANH_C3) == 1 / 3 and value(km.TANH_C5) == 2 / 15 and value(km.TANH_SERIES_BELOW) == 1 / 16
+    assert value(km.RCP_LN2) == 1 / math.log(2) and value(tiles.NEG_2_RCP_LN2) == -2 / math.log(2)
+    assert value(tiles.TANH_C3) == 1 / 3 and value(tiles.TANH_C5) == 2 / 15
+    assert value(tiles.TANH_SERIES_BELOW) == 1 / 16
     assert value(lse_km.LN2) == math.log(2)
     assert value(km.ROWSUM_WIDTH) == 16 and {value(km.RHO_COL), value(km.MASS_COL)} == {0, 1}
+
+
+def test_kernel_helpers_load_in_the_kernels_mode():
+    """Each copy of the kernel file calls the tile helpers of its own mode: ``compat.load_interpreted_module``
+    loads ``triton_tiles`` with it (interpreted helpers for the interpreted kernels, JIT-compiled ones for the
+    compiled), and a mode's package refuses a file of the other mode."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    from gproj_patch.backends import compat
+    for interpret, kind in ((True, InterpretedFunction), (False, JITFunction)):
+        km = triton_bwd.kernel_module(interpret)
+        tiles = triton_bwd.kernel_module(interpret, "triton_tiles")
+        assert km.probs is tiles.probs and km.load_pair is tiles.load_pair and km.segment is tiles.segment
+        assert isinstance(km._bwd_dq, kind) and isinstance(tiles.probs, kind) and isinstance(tiles.store_tile, kind)
+    assert triton_bwd.kernel_module(True, "triton_tiles") is not triton_bwd.kernel_module(False, "triton_tiles")
+    with pytest.raises(ValueError, match="interpret=False"):
+        compat.load_interpreted_module("gproj_patch.backends._interp.triton_tiles", tiles.__file__, False)
 
 
 def test_gluon_launch_shape_comes_from_the_kernel_constants():
