@@ -15,6 +15,10 @@ with a contiguous last dimension and 16-byte-aligned base and strides (TMA); Sq 
 (the KV-major launch only reads λ). Not covered: sliding windows, softcap, varlen, the two-product dk form,
 ``correct=False``, fp32 inputs, other head dims, GPUs other than sm_90, a Triton without Gluon.
 
+Host cost per launch: everything but the tensors' addresses depends on the call's shape class (shapes,
+strides, dtype, mask, config), cached (``_launch_class``: grid, scalars, the TMA descriptors validated once by
+Gluon's constructor); a call binds its tensors into those templates (``_bound``).
+
 ``gluon_entry.gluon_backward`` (``gproj_backward(..., kv_major="gluon")``) runs it explicitly (tests, benchmarks; ValueError where
 ``kv_major_reason`` refuses the call). This module imports nothing from ``triton_bwd`` (no import cycle).
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Tuple
 
 import torch
@@ -54,9 +58,10 @@ FASTER_HEAD_DIMS = (128,)
 GLUON_CAPABILITY = (9, 0)
 #: TMA: base address and every stride but the last must be multiples of this many bytes
 TMA_ALIGN_BYTES = 16
-#: the KV-major kernel loads each tile's per-row (LSE2, D, λ) from the flat fp32 (B·H·Sq) scratch with TMA, whose
-#: box start must be 16-byte aligned: tiles start at multiples of 32 rows within a head, so Sq must be a multiple
-#: of 4 (an odd Sq = 333 raised "illegal instruction" on the H200)
+#: the KV-major kernel loads each tile's per-row (LSE2, D, λ) from the fp32 (B·H, Sq) scratch with TMA, which
+#: needs the row stride (Sq·4 bytes) a multiple of 16 bytes: Sq a multiple of 4 (run 23: Sq = 333, then read as
+#: a flat buffer, raised "illegal instruction" on the H200). Lifting it needs a scratch whose row stride is
+#: padded to 4 (``triton_launch.allocate_scratch`` and the tl kernels' scratch indexing)
 SCRATCH_ROW_ALIGN = 4
 #: an SM's register file (32-bit registers), and the threads of a warp
 SM_REGISTERS = 65536
@@ -85,9 +90,17 @@ SMEM_LIMIT_BYTES = 227 * 1024
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Query rows of one streamed Q/dO tile, and the depth of the TMA ring."""
+    """Query rows of one streamed Q/dO tile, the depth of the TMA ring, and how the consumers hand slots back:
+    one slot every tile, or (``release_pairs``) two slots every second tile — half the mbarrier arrives and
+    the warpgroup syncs Gluon puts around each; needs an even ring of at least 4 slots. Same numerics either
+    way (the same products in the same order: bitwise equal results)."""
     block_m: int
     num_stages: int
+    release_pairs: bool = False
+
+    def __post_init__(self):
+        if self.release_pairs and (self.num_stages % 2 != 0 or self.num_stages < 4):
+            raise ValueError(f"release_pairs needs an even ring of at least 4 slots, got {self.num_stages}")
 
 
 #: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``benchmarks/gluon_check.py --compile-only``)
@@ -148,64 +161,121 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
     return None
 
 
-def _descriptor(x: torch.Tensor, block_rows: int) -> "TensorDescriptor":
-    """4-D TMA descriptor over (B, H, S, D) with (1, 1, block_rows, D) boxes; rows past S read as zeros.
-    Strides of size-1 dims are never used; they are replaced by an aligned value TMA accepts."""
-    shape = list(x.shape)
-    strides = list(x.stride())
+#: log2(e): the kernel works in base 2 (scale_log2 = α·log2 e)
+LOG2_E = math.log2(math.e)
+#: the public fields of Gluon's host ``TensorDescriptor`` (a plain dataclass in triton 3.6, whose constructor
+#: only stores them and validates): a launch's descriptor is its shape class's template, built and validated
+#: once by that constructor, with the call's tensor as base (``_bound``: 0.3 µs instead of 3 µs a descriptor)
+DESCRIPTOR_FIELDS = ("base", "shape", "strides", "block_shape", "layout", "padding")
+#: entries of the shape-class cache (``_launch_class``): distinct (shapes, strides, dtype, mask, config) a
+#: process launches; each entry is a few small templates (no tensor of the call)
+LAUNCH_CLASS_CACHE_SIZE = 64
+
+
+def _fast_descriptors() -> bool:
+    """True where ``TensorDescriptor`` has exactly ``DESCRIPTOR_FIELDS`` (else ``_bound`` takes the constructor)."""
+    return UNAVAILABLE_REASON is None and tuple(f.name for f in fields(TensorDescriptor)) == DESCRIPTOR_FIELDS
+
+
+FAST_DESCRIPTORS = _fast_descriptors()
+
+
+def _bound(template: "TensorDescriptor", base: torch.Tensor) -> "TensorDescriptor":
+    """``template`` (validated at construction) over ``base``: what the constructor would build, checking the one
+    thing that varies per call, the base address's TMA alignment."""
+    if base.data_ptr() % TMA_ALIGN_BYTES != 0:
+        raise ValueError(f"launch_dkdv: a base not {TMA_ALIGN_BYTES}-byte aligned (TMA)")
+    if not FAST_DESCRIPTORS:  # pragma: no cover - another TensorDescriptor: its constructor validates again
+        return replace(template, base=base)
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape = base, template.shape, template.strides, template.block_shape
+    d.layout, d.padding = template.layout, template.padding
+    return d
+
+
+def _tile_template(shape, strides, dtype: torch.dtype, block_rows: int) -> "TensorDescriptor":
+    """4-D TMA descriptor over (B, H, S, D) with (1, 1, block_rows, D) boxes; rows past S read as zeros. Its
+    base is a zero-size stand-in (``_bound`` puts the call's tensor there). Strides of size-1 dims are never
+    used; they are replaced by an aligned value TMA accepts."""
+    shape, strides = list(shape), list(strides)
     for i in range(len(shape) - 2, -1, -1):
         if shape[i] == 1:
             strides[i] = strides[i + 1] * shape[i + 1]
     block = [1, 1, block_rows, shape[-1]]
-    return TensorDescriptor(x, shape, strides, block, _tile_layout(block_rows, shape[-1], x.dtype))
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(torch.empty(0, dtype=dtype), shape, strides, block, layout)
 
 
-@functools.lru_cache(maxsize=None)
-def _tile_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
-    """The shared-memory layout of a (1, 1, block_rows, head_dim) TMA box (immutable; built once: it is two
-    thirds of a descriptor's host cost)."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, head_dim],
-                                                gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+def _row_template(heads: int, sq: int, block_rows: int) -> "TensorDescriptor":
+    """2-D TMA descriptor over an fp32 (B·H, Sq) scratch buffer, (1, ``block_rows``) boxes (unswizzled): a box
+    past Sq reads zeros, never the next head's rows. Its row stride (Sq·4 bytes) must be 16-byte aligned."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(torch.empty(0, dtype=torch.float32), [heads, sq], [sq, 1], [1, block_rows], layout)
 
 
-def _row_descriptor(x: torch.Tensor, block_rows: int) -> "TensorDescriptor":
-    """1-D TMA descriptor over a flat fp32 (B·H·Sq) scratch buffer, ``block_rows`` values a box."""
-    return TensorDescriptor(x.view(-1), [x.numel()], [1], [block_rows], _row_layout())
+@dataclass(frozen=True)
+class _LaunchClass:
+    """Everything a launch takes from its shape class: the grid, the descriptor templates (q, k, v, dO; the
+    per-row scratch) and the scalar and constexpr arguments."""
+    grid: Tuple[int, int, int]
+    tiles: Tuple["TensorDescriptor", ...]
+    rows: "TensorDescriptor"
+    scalars: dict  # never mutated: each call copies it into its own argument dict
 
 
-@functools.lru_cache(maxsize=None)
-def _row_layout():
-    """The shared-memory layout of a 1-D fp32 TMA box (unswizzled), built once."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+# bounded cache: LAUNCH_CLASS_CACHE_SIZE shape classes (least recently used dropped), keys and values small
+@functools.lru_cache(maxsize=LAUNCH_CLASS_CACHE_SIZE)
+def _launch_class(q_shape, q_strides, k_shape, kv_strides, do_strides, dkdv_strides, dtype, causal: bool,
+                  bottom_right: bool, alpha: float, cfg: KernelConfig) -> _LaunchClass:
+    """The ``_LaunchClass`` of a call from what it depends on (``_launch_arguments`` passes the tensors' shapes
+    and strides; the constructor's checks of the descriptors run here, once per class)."""
+    (sdk, sdv) = dkdv_strides
+    if sdk[-1] != 1 or sdv[-1] != 1:
+        raise ValueError("launch_dkdv: dk and dv need a contiguous last dim")
+    B, H, SQ, _ = q_shape
+    HKV, SK = k_shape[1], k_shape[2]
+    tiles = (_tile_template(q_shape, q_strides, dtype, cfg.block_m),
+             _tile_template(k_shape, kv_strides[0], dtype, KEYS_PER_WG),
+             _tile_template(k_shape, kv_strides[1], dtype, KEYS_PER_WG),
+             _tile_template(q_shape, do_strides, dtype, cfg.block_m))
+    scalars = dict(sdk_b=sdk[0], sdk_h=sdk[1], sdk_s=sdk[2], sdv_b=sdv[0], sdv_h=sdv[1], sdv_s=sdv[2],
+                   H=H, GROUP=H // HKV, SQ=SQ, SK=SK, shift=SK - SQ if (causal and bottom_right) else 0,
+                   scale=alpha, scale_log2=alpha * LOG2_E, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
+                   RELEASE_PAIRS=cfg.release_pairs)
+    return _LaunchClass(grid=(triton.cdiv(SK, BLOCK_N), HKV, B), tiles=tiles,
+                        rows=_row_template(B * H, SQ, cfg.block_m), scalars=scalars)
+
+
+def _launch_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor, cfg: KernelConfig):
+    """(grid, ``dkdv_arguments``): the shape class from the cache, the call's tensors bound into it."""
+    left, right = job.window
+    if left >= 0 or right > 0 or job.varlen or not (job.correct and job.fused):
+        raise ValueError("launch_dkdv: a window, varlen, or uncorrected/two-product job (kv_major_reason)")
+    q, k, v, do, dk, dv = job.q, job.k, job.v, job.do, job.dk, job.dv
+    cls = _launch_class(q.shape, q.stride(), k.shape, (k.stride(), v.stride()), do.stride(),
+                        (dk.stride(), dv.stride()), q.dtype, right == 0, job.bottom_right, job.alpha, cfg)
+    rows = cls.rows.shape[0] * cls.rows.shape[1]
+    for x in (delta, lse2, lam):  # the contiguous fp32 (B·H, Sq) scratch the row template addresses
+        if x.numel() != rows or not x.is_contiguous():
+            raise ValueError(f"launch_dkdv: the per-row scratch must be a contiguous (B·H, Sq) buffer of {rows}")
+    tq, tk, tv, tdo = cls.tiles
+    return cls.grid, {
+        "q_desc": _bound(tq, q), "k_desc": _bound(tk, k), "v_desc": _bound(tv, v), "do_desc": _bound(tdo, do),
+        "lse2_desc": _bound(cls.rows, lse2), "delta_desc": _bound(cls.rows, delta),
+        "lam_desc": _bound(cls.rows, lam), "DK": dk, "DV": dv, **cls.scalars}
 
 
 def dkdv_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor, cfg: KernelConfig) -> dict:
     """The keyword arguments of ``gluon_kernels._dkdv_kernel`` (constexprs included) for ``job`` (a
     ``triton_launch.Launch`` that ``kv_major_reason`` accepted) and the dQ-major launch's fp32 (B·H, Sq) scratch
-    D, base-2 LSE and λ. Pure host work: ``benchmarks/gluon_check.py --compile-only`` compiles from it on a CPU."""
-    q, k, dk, dv = job.q, job.k, job.dk, job.dv
-    left, right = job.window
-    if left >= 0 or right > 0 or job.varlen or not (job.correct and job.fused):
-        raise ValueError("launch_dkdv: a window, varlen, or uncorrected/two-product job (kv_major_reason)")
-    if dk.stride(-1) != 1 or dv.stride(-1) != 1:
-        raise ValueError("launch_dkdv: dk and dv need a contiguous last dim")
-    causal = right == 0
-    H, SQ, SK = q.shape[1], q.shape[2], k.shape[2]
-    return dict(
-        q_desc=_descriptor(q, cfg.block_m), k_desc=_descriptor(k, KEYS_PER_WG), v_desc=_descriptor(job.v, KEYS_PER_WG),
-        do_desc=_descriptor(job.do, cfg.block_m), lse2_desc=_row_descriptor(lse2, cfg.block_m),
-        delta_desc=_row_descriptor(delta, cfg.block_m), lam_desc=_row_descriptor(lam, cfg.block_m), DK=dk, DV=dv,
-        sdk_b=dk.stride(0), sdk_h=dk.stride(1), sdk_s=dk.stride(2),
-        sdv_b=dv.stride(0), sdv_h=dv.stride(1), sdv_s=dv.stride(2),
-        H=H, GROUP=H // k.shape[1], SQ=SQ, SK=SK, shift=SK - SQ if (causal and job.bottom_right) else 0,
-        scale=job.alpha, scale_log2=job.alpha * math.log2(math.e), CAUSAL=causal, NUM_STAGES=cfg.num_stages)
+    D, base-2 LSE and λ. Pure host work: ``benchmarks/gluon_check.py --compile-only`` compiles from it on a CPU.
+    Per call only the tensors are bound: the rest comes from the shape class's cache (``_launch_class``)."""
+    return _launch_arguments(job, delta, lse2, lam, cfg)[1]
 
 
 def launch_dkdv(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor,
                 config: Optional[KernelConfig] = None):
     """The KV-major launch of ``job`` (``dkdv_arguments``): dk, dv. Returns the compiled kernel (its registers and
     spills land in ``triton_bwd.LAST_KERNELS["dkdv"]``)."""
-    B, HKV, SK = job.k.shape[0], job.k.shape[1], job.k.shape[2]
-    cfg = config or CONFIGS[job.q.shape[-1]]
-    return _gk._dkdv_kernel[(triton.cdiv(SK, BLOCK_N), HKV, B)](
-        **dkdv_arguments(job, delta, lse2, lam, cfg), num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    grid, args = _launch_arguments(job, delta, lse2, lam, config or CONFIGS[job.q.shape[-1]])
+    return _gk._dkdv_kernel[grid](**args, num_warps=NUM_WARPS, maxnreg=MAXNREG)

@@ -5,26 +5,32 @@ writes D, the base-2 LSE and λ of every query row to fp32 (B·H, Sq) scratch).
 ``_dkdv_kernel``: one CTA per (block of ``2 × KEYS_PER_WG`` keys, KV head, batch), three partitions:
 
 * a **producer** warp: loads this CTA's K and V tiles once, then streams the (query head of the GQA group,
-  query tile) pairs the keys see as Q and dO tiles, and the tile's rows of the LSE2, D and λ scratch (1-D boxes,
-  16-byte aligned: Sq a multiple of 4), through TMA into a ``NUM_STAGES``-deep ring of shared-memory slots.
+  query tile) pairs the keys see as Q and dO tiles, and the tile's rows of the LSE2, D and λ scratch ((1, BLOCK_M)
+  boxes of the (B·H, Sq) buffers, whose row stride TMA needs 16-byte aligned: Sq a multiple of 4), through TMA
+  into a ``NUM_STAGES``-deep ring of shared-memory slots.
   Slot s is "ready" (an mbarrier with the TMA byte count) when all five have landed and "empty" (an mbarrier of
-  count ``CONSUMERS``) once both consumers are done with it.
+  count ``CONSUMERS``) once both consumers are done with it. With ``RELEASE_PAIRS`` the slots go by pairs
+  (2p, 2p + 1): one "empty" mbarrier a pair, waited on before the pair's first tile only.
 * two **consumer** warpgroups (the default partition and one worker), each owning ``KEYS_PER_WG`` keys and
   their dk, dv accumulators (fp32, registers). Per tile, transposed: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma, both
   operands in shared memory), P = exp2(Sᵀ·α·log2 e − lse2), dv += low(Pᵀ)·dO, and the "fused" dk += low(Pᵀ∘(dPᵀ −
   D − λ))·Q (t − λr rounded once, never re-rounded; wgmma with A from registers). The dk/dv products of a tile
   are left running while the next tile's Sᵀ and dPᵀ are issued; the consumer releases a slot after the wait
-  that retires its last product. The two warpgroups run out of step, so one's exp2/elementwise phase overlaps
-  the other's products on the tensor cores.
+  that retires its last product — every tile, or with ``RELEASE_PAIRS`` a pair of slots every second tile.
+  Triton 3.6 syncs the warpgroup (``bar.sync``) before each ``mbarrier.arrive``, and its shared-memory barrier
+  analysis adds one before the ready wait and one after the arrive: 3 a tile (sm_90a PTX). Paired, with the
+  tile's LSE2 read before the branch that releases, a consumer loop has 1 every second tile; the same products
+  in the same order, so bitwise the same results. The two warpgroups run out of step, so one's
+  exp2/elementwise phase overlaps the other's products on the tensor cores.
 
 Masking: causal is "key j visible from query i iff j ≤ i + shift" (shift = 0 top-left, Sk − Sq bottom-right);
 only the query tiles that cross a warpgroup's diagonal, and a head's last tile when Sq is not a multiple of the
 tile, take the ``where``, as a runtime branch around elementwise code (never around a wgmma). Rows past Sq
-(their Q, dO rows the TMA's zero fill; their scratch the next head's rows, or zeros at the end) get P = 0, so
-dPᵀ = 0 there and they add nothing — unless that next head's D or λ is not finite: then 0·∞ puts NaN into this
-head's dk (the tl kernel keeps it in its own head; benchmarks/NOTES_gluon.md). Keys past Sk only touch their
-own dk/dv rows, which are never stored. No atomics: dk, dv of a key block are reduced over the whole GQA group
-inside one CTA, so results are bitwise deterministic.
+are the TMA's zero fill in every box — Q, dO and, the scratch being addressed as (B·H, Sq) rows, LSE2, D, λ
+too (never the next head's rows): P = 0 (the ``where``), dPᵀ = 0, D = λ = 0, so they add exactly 0 and a
+non-finite row of another head cannot reach this head's dk (as in the tl kernel, a NaN stays in its head).
+Keys past Sk only touch their own dk/dv rows, which are never stored. No atomics: dk, dv of a key block are
+reduced over the whole GQA group inside one CTA, so results are bitwise deterministic.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -58,13 +64,15 @@ def _mma_layout(ROWS, COLS, num_warps):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_desc, k_s, v_s, q_s, do_s, lse2_s,
-              delta_s, lam_s, kv_bar, ready, empty, b, hk, n0, lo, m_tiles, n_tiles, H, GROUP, SQ):
+              delta_s, lam_s, kv_bar, ready, empty, b, hk, n0, lo, m_tiles, n_tiles, H, GROUP,
+              RELEASE_PAIRS: gl.constexpr):
     """K and V of both consumers once, then the ring: tile j (query head h = hk·GROUP + j // m_tiles, rows
-    lo + (j % m_tiles)·BLOCK_M) is Q, dO and the rows' (LSE2, D, λ) from the flat fp32 scratch."""
+    lo + (j % m_tiles)·BLOCK_M) is Q, dO and the rows' (LSE2, D, λ) from the fp32 (B·H, Sq) scratch."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     NUM_STAGES: gl.constexpr = q_s.shape[0]
     kv_shape: gl.constexpr = k_desc.block_type.shape
     q_shape: gl.constexpr = q_desc.block_type.shape
+    row_shape: gl.constexpr = lse2_desc.block_type.shape
     mbarrier.expect(kv_bar.index(0), 2 * CONSUMERS * k_desc.block_type.nbytes)
     for w in gl.static_range(CONSUMERS):
         row = n0 + w * KEYS_PER_WG
@@ -73,25 +81,30 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_desc, 
     for j in range(0, n_tiles):
         stage = j % NUM_STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait
-        mbarrier.wait(empty.index(stage), ((j // NUM_STAGES) & 1) ^ 1)
+        lap_parity = ((j // NUM_STAGES) & 1) ^ 1
+        if RELEASE_PAIRS:
+            # slots 2p, 2p + 1 share "empty" mbarrier p (released together): wait before the pair's first tile
+            mbarrier.wait(empty.index(stage // 2), lap_parity, pred=stage % 2 == 0)
+        else:
+            mbarrier.wait(empty.index(stage), lap_parity)
         h = hk * GROUP + j // m_tiles
         row = lo + (j % m_tiles) * BLOCK_M
         bar = ready.index(stage)
         mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 3 * lse2_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], bar, q_s.index(stage).reshape(q_shape))
         tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], bar, do_s.index(stage).reshape(q_shape))
-        # rows past Sq read the next head's values (or zeros at the end): the consumer masks those rows
-        flat = (b * H + h) * SQ + row
-        tma.async_copy_global_to_shared(lse2_desc, [flat], bar, lse2_s.index(stage))
-        tma.async_copy_global_to_shared(delta_desc, [flat], bar, delta_s.index(stage))
-        tma.async_copy_global_to_shared(lam_desc, [flat], bar, lam_s.index(stage))
+        # the scratch as (B·H, Sq) rows: a box past Sq stops at its own head's end (the TMA's zero fill)
+        bh = b * H + h
+        tma.async_copy_global_to_shared(lse2_desc, [bh, row], bar, lse2_s.index(stage).reshape(row_shape))
+        tma.async_copy_global_to_shared(delta_desc, [bh, row], bar, delta_s.index(stage).reshape(row_shape))
+        tma.async_copy_global_to_shared(lam_desc, [bh, row], bar, lam_s.index(stage).reshape(row_shape))
 
 
 @gluon.jit
 def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty, DK, DV,
               sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
               b, hk, n0, lo, m_tiles, n_tiles, SQ, SK, shift, scale, scale_log2,
-              CAUSAL: gl.constexpr, WG: gl.constexpr):
+              CAUSAL: gl.constexpr, RELEASE_PAIRS: gl.constexpr, WG: gl.constexpr):
     """dk, dv of keys [n0 + WG·KEYS_PER_WG, + KEYS_PER_WG) over every tile of the ring; stores them."""
     NUM_STAGES: gl.constexpr = q_s.shape[0]
     BLOCK_M: gl.constexpr = q_s.shape[1]
@@ -128,13 +141,22 @@ def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty,
         # retires this tile's Sᵀ, dPᵀ and the previous tile's dk, dv products: the previous slot is free once
         # its per-row vectors (read below, generic proxy) are ordered before the next TMA write (async proxy)
         st, dpt, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt, dk, dv))
-        fence_async_shared()
-        mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=j > 0)
+        if RELEASE_PAIRS:
+            # this tile's LSE2 before the release (its slot stays ours): no shared-memory access right after it
+            lse2 = lse2_s.index(stage).load(row_layout)
+            # every second tile: tiles j − 2 and j − 1 (slots 2p, 2p + 1) are done, release pair p at once —
+            # a runtime branch, so the arrive's warpgroup syncs run only there (a pred would run them always)
+            if (j % 2 == 0) & (j > 0):
+                fence_async_shared()
+                mbarrier.arrive(empty.index(((j - 1) % NUM_STAGES) // 2), count=1)
+        else:
+            fence_async_shared()
+            mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=j > 0)
+            lse2 = lse2_s.index(stage).load(row_layout)
 
-        lse2 = lse2_s.index(stage).load(row_layout)
         pt = gl.exp2(st * scale_log2 - lse2[None, :])
         # a runtime branch around elementwise code only: tiles across this warpgroup's causal diagonal, and
-        # the last tile of a head (its rows past Sq hold the next head's scratch)
+        # the last tile of a head (rows past Sq: Sᵀ = 0 and LSE2 = 0 there, zero-filled, so P would be 1)
         if (start_m < full_lo) | (start_m + BLOCK_M > SQ):
             offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
             vis = offs_m[None, :] < SQ
@@ -164,12 +186,19 @@ def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty,
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_desc, DK, DV,
                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                  H, GROUP, SQ, SK, shift, scale, scale_log2,
-                 CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                 CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, RELEASE_PAIRS: gl.constexpr,
+                 num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(k_desc.block_type.shape[2] == KEYS_PER_WG)
     gl.static_assert(num_warps == CONSUMER_WARPS)  # the default partition is one consumer warpgroup
+    # "empty" mbarriers: one a slot, or one a pair of slots — then at least two pairs, or the producer would
+    # wait for a pair that the consumers release only after reading the tile it is about to load
+    if RELEASE_PAIRS:
+        gl.static_assert(NUM_STAGES % 2 == 0)
+        gl.static_assert(NUM_STAGES >= 4)
+    EMPTY_BARRIERS: gl.constexpr = NUM_STAGES // 2 if RELEASE_PAIRS else NUM_STAGES
 
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)
@@ -190,29 +219,34 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_des
     v_s = gl.allocate_shared_memory(dtype, [CONSUMERS, KEYS_PER_WG, HEAD_DIM], kv_layout)
     q_s = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], ring_layout)
     do_s = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], ring_layout)
-    lse2_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], lse2_desc.layout)
-    delta_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], lse2_desc.layout)
-    lam_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], lse2_desc.layout)
+    # per-row vectors: unswizzled rows of BLOCK_M fp32 (the TMA writes each as a (1, BLOCK_M) box)
+    vec_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    lse2_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_layout)
+    delta_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_layout)
+    lam_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [EMPTY_BARRIERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar.index(0), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(EMPTY_BARRIERS):
         mbarrier.init(empty.index(i), count=CONSUMERS)
 
     gl.warp_specialize([
         (_consumer, (k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty, DK, DV,
                      sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, b, hk, n0, lo, m_tiles, n_tiles,
-                     SQ, SK, shift, scale, scale_log2, CAUSAL, 0)),
+                     SQ, SK, shift, scale, scale_log2, CAUSAL, RELEASE_PAIRS, 0)),
         (_consumer, (k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty, DK, DV,
                      sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, b, hk, n0, lo, m_tiles, n_tiles,
-                     SQ, SK, shift, scale, scale_log2, CAUSAL, 1)),
+                     SQ, SK, shift, scale, scale_log2, CAUSAL, RELEASE_PAIRS, 1)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_desc, k_s, v_s, q_s, do_s,
-                     lse2_s, delta_s, lam_s, kv_bar, ready, empty, b, hk, n0, lo, m_tiles, n_tiles, H, GROUP, SQ)),
+                     lse2_s, delta_s, lam_s, kv_bar, ready, empty, b, hk, n0, lo, m_tiles, n_tiles, H, GROUP,
+                     RELEASE_PAIRS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
     mbarrier.invalidate(kv_bar.index(0))
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
+    for i in gl.static_range(EMPTY_BARRIERS):
         mbarrier.invalidate(empty.index(i))

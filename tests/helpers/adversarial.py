@@ -170,3 +170,40 @@ def witness_rows4():
     return inp
 
 
+# ----------------------------------------------------------------------------------------------------------
+# a head whose forward rows are not finite, next to heads that are (the Gluon kernel's ragged last tile)
+# ----------------------------------------------------------------------------------------------------------
+
+#: (B, H, Sq, Sk) of ``foreign_nonfinite``: MHA, Sq a multiple of 4 (the Gluon predicate) but of no query tile
+#: (32, 64, 128), so every head's last tile has rows past Sq
+FOREIGN_SHAPE = (2, 2, 100, 160)
+#: the (batch, head) ``poison_head`` makes non-finite: head (0, 0)'s ragged last tile borders its first rows
+POISONED_HEAD = (0, 1)
+
+
+def foreign_nonfinite(head_dim, seed, device="cuda", causal=True):
+    """(inputs dict, mask kwargs): BF16 MHA inputs of ``FOREIGN_SHAPE`` (keys offset by 32σ) for
+    ``poison_head``. MHA: a head's dq, dk, dv depend on its own rows only, so every other head's exact
+    gradients are those of the clean inputs."""
+    B, H, SQ, SK = FOREIGN_SHAPE
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, H, SQ, head_dim, generator=g, device=device, dtype=torch.float64)
+    k = _keys((B, H, SK, head_dim), 32.0, g, device)
+    q, k, v, do = _sink_v_do(q, k, 0.0, g, torch.bfloat16)
+    return dict(q=q, k=k, v=v, do=do), (dict(causal=True, causal_align="bottom_right") if causal else {})
+
+
+def poison_head(o, lse):
+    """Copies of the forward's output and LSE with head ``POISONED_HEAD`` not finite (O := inf, so its D is
+    not finite; LSE := NaN): what the backward's per-row scratch then holds there."""
+    o, lse = o.clone(), lse.clone()
+    o[POISONED_HEAD] = float("inf")
+    lse[POISONED_HEAD] = float("nan")
+    return o, lse
+
+
+def outside_poisoned(x):
+    """``x`` (B, H, ...) without head ``POISONED_HEAD``: the heads whose gradients must stay exact."""
+    keep = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+    keep[POISONED_HEAD] = False
+    return x[keep]

@@ -26,9 +26,11 @@ def cubin_resources(kernel) -> Dict[str, int]:
     return dict(regs=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)))
 
 
-def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2, 3)):
+def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2, 3), release_pairs=(False,)):
     """Registers, spills (bytes of stack a thread) and shared memory of the Gluon KV-major kernel compiled for
-    sm_90a with Triton's own ptxas; runs without a GPU (the configs of ``gluon_bwd.CONFIGS`` come from it)."""
+    sm_90a with Triton's own ptxas; runs without a GPU (the configs of ``gluon_bwd.CONFIGS`` come from it).
+    ``release_pairs``: the slot-release variants to build (``KernelConfig.release_pairs``; rings it cannot
+    take are skipped)."""
     import inspect
     import triton
     from triton.backends.compiler import GPUTarget
@@ -38,6 +40,8 @@ def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2,
     from gproj_patch.backends.triton_launch import Launch
     fn = gluon_kernels._dkdv_kernel
     params = list(inspect.signature(fn.fn).parameters)
+    constexprs = [n for n, p in inspect.signature(fn.fn).parameters.items()
+                  if "constexpr" in str(p.annotation) and n != "num_warps"]
     rows = []
     for D in head_dims:
         # CPU tensors shaped like a causal 2·4·1024·D call; the arguments are built as the launch builds them
@@ -46,18 +50,20 @@ def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2,
         job = Launch(do=x, q=x, k=x, v=x, o=x, lse=f, dq=x, dk=x, dv=x, sink=None, cu_q=x, cu_k=x, varlen=False,
                      n_problems=2, max_q=1024, max_k=1024, window=(-1, 0), bottom_right=False, alpha=D ** -0.5,
                      softcap=0.0, correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
-        for bm in block_ms:
-            for st in stages:
-                args = gluon_bwd.dkdv_arguments(job, f, f, f, KernelConfig(bm, st))
-                const = {n: args[n] for n in params if n in ("CAUSAL", "NUM_STAGES")}
-                const["num_warps"] = gluon_bwd.NUM_WARPS
-                sig = {p: "constexpr" if p in const else mangle_type(args[p]) for p in params}
-                src = GluonASTSource(fn, sig, {(params.index(n),): c for n, c in const.items()})
-                try:
-                    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                       options=dict(num_warps=gluon_bwd.NUM_WARPS, maxnreg=gluon_bwd.MAXNREG))
-                except Exception as e:
-                    rows.append(dict(D=D, block_m=bm, stages=st, error=f"{type(e).__name__}: {e}"[:200]))
-                    continue
-                rows.append(dict(D=D, block_m=bm, stages=st, **cubin_resources(k), smem=k.metadata.shared))
+        for bm, st, pairs in ((bm, st, p) for bm in block_ms for st in stages for p in release_pairs):
+            if pairs and (st % 2 or st < 4):
+                continue
+            tag = dict(D=D, block_m=bm, stages=st, **({"release_pairs": True} if pairs else {}))
+            args = gluon_bwd.dkdv_arguments(job, f, f, f, KernelConfig(bm, st, pairs))
+            const = {n: args[n] for n in constexprs}
+            const["num_warps"] = gluon_bwd.NUM_WARPS
+            sig = {p: "constexpr" if p in const else mangle_type(args[p]) for p in params}
+            src = GluonASTSource(fn, sig, {(params.index(n),): c for n, c in const.items()})
+            try:
+                k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=gluon_bwd.NUM_WARPS, maxnreg=gluon_bwd.MAXNREG))
+            except Exception as e:
+                rows.append(dict(tag, error=f"{type(e).__name__}: {e}"[:200]))
+                continue
+            rows.append(dict(tag, **cubin_resources(k), smem=k.metadata.shared))
     return rows

@@ -168,3 +168,41 @@ def test_unaligned_strides_get_a_reason():
     k = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     assert "TMA" in gluon_supported_reason(q, k, k)
     assert "TMA" in gluon_supported_reason(k.transpose(-1, -2), k, k)
+
+
+#: the slot-release variant of each head dim (``KernelConfig.release_pairs``), with the default's tile rows so
+#: that its results must be bitwise the default's (same products, same order; only the mbarrier traffic differs)
+PAIRED = {d: gluon_bwd.KernelConfig(cfg.block_m, 4, release_pairs=True) for d, cfg in gluon_bwd.CONFIGS.items()}
+
+
+@pytest.mark.parametrize("name", ["offset512", "causal_br", "d128", "odd_br_mqa_d128", "fp16_d128_dense", "gqa"])
+def test_paired_slot_release_is_bitwise_the_default(name):
+    q, k, v, do, o, lse, kw = _inputs(name, seed=13)
+    a = gluon_backward(do, q, k, v, o, lse, **kw)
+    b = gluon_backward(do, q, k, v, o, lse, _gluon_config=PAIRED[q.shape[-1]], **kw)
+    assert all(bool(torch.isfinite(x).all()) for x in b), name
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), name
+
+
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", sorted(gluon_bwd.CONFIGS))
+def test_nonfinite_rows_of_another_head_stay_there(head_dim, causal, paired):
+    """One head's forward output and LSE not finite (``adversarial.poison_head``; Sq = 100, so the previous
+    head's last tile has rows past Sq): every other head's gradients stay finite, within the gauge target of
+    fp64 and bitwise those of the tl KV-major launch (which confines a NaN to its head). Before the scratch
+    was read as (B·H, Sq) rows, those rows read the poisoned head's D and λ and put 0·∞ = NaN into dk."""
+    from gproj_patch.backends.triton_bwd import gproj_backward
+    inp, kw = dc.foreign_nonfinite(head_dim, seed=17, causal=causal)
+    q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
+    out, lse = reference_forward(q, k, v, **kw)
+    o, lse = dc.poison_head(out.to(q.dtype), lse.float())
+    cfg = PAIRED[head_dim] if paired else gluon_bwd.CONFIGS[head_dim]
+    grads = gluon_backward(do, q, k, v, o, lse, _gluon_config=cfg, **kw)
+    tl = gproj_backward(do, q, k, v, o, lse, kv_major="tl", **kw)
+    ref = reference_backward(q, k, v, do, **kw)
+    kept = [dc.outside_poisoned(x) for x in grads]
+    assert all(bool(torch.isfinite(x).all()) for x in kept)
+    assert all(torch.equal(x, dc.outside_poisoned(t)) for x, t in zip(kept, tl))
+    errs = [dc.rel(x, dc.outside_poisoned(r)) for x, r in zip(kept, ref)]
+    assert max(errs) < TARGET, errs

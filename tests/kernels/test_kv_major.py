@@ -100,20 +100,101 @@ def test_stats_count_the_kv_major_kernel_of_each_kernel_call(interpreter):
     assert gproj_patch.stats()["kv_major"] == {}
 
 
-@pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
-def test_descriptors_reuse_one_layout_equal_to_a_fresh_one():
-    """The TMA descriptors' shared layouts are built once per (box, dtype) and equal what Gluon builds fresh:
-    the cache changes the host cost, never the compiled kernel."""
+needs_gluon = pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
+
+
+def _job(sq=96, sk=160, h=4, hkv=2, d=128, dtype=torch.bfloat16, q=None):
+    """A causal bottom-right ``Launch`` on CPU tensors (host work only) and its fp32 (B·H, Sq) scratch."""
+    from gproj_patch.backends.triton_launch import Launch
+    q = torch.empty(1, h, sq, d, dtype=dtype) if q is None else q
+    k = torch.empty(1, hkv, sk, d, dtype=dtype)
+    f = torch.empty(q.shape[0] * q.shape[1], q.shape[2])
+    job = Launch(do=q.clone(), q=q, k=k, v=k.clone(), o=q, lse=f, dq=q, dk=k.clone(), dv=k.clone(), sink=None,
+                 cu_q=q, cu_k=q, varlen=False, n_problems=1, max_q=sq, max_k=sk, window=(-1, 0), bottom_right=True,
+                 alpha=0.125, softcap=0.0, correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
+    return job, f
+
+
+def _public(x, shape, strides, block, layout):
+    """The descriptor Gluon's public constructor builds (its checks run)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor(x, list(shape), list(strides), list(block), layout)
+
+
+@needs_gluon
+def test_launch_descriptors_are_what_the_public_constructor_builds():
+    """Per call only the tensors are bound into the shape class's cached templates: each descriptor equals, field
+    by field, the one Triton's constructor builds over the same tensor (strides of size-1 dims made aligned;
+    the scratch as (B·H, Sq) rows, a box ending at its head), and Triton specializes it to the same type."""
     from triton.experimental.gluon import language as gl
-    x = torch.empty(2, 3, 40, 128, dtype=torch.bfloat16)
-    a, b = gluon_bwd._descriptor(x, 64), gluon_bwd._descriptor(x.clone(), 64)
-    assert a.layout is b.layout
-    assert a.layout == gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gl.bfloat16)
-    assert gluon_bwd._descriptor(x.half(), 64).layout == gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128],
-                                                                                                gl.float16)
-    rows = gluon_bwd._row_descriptor(torch.empty(2, 3, 40), 64)
-    assert rows.layout is gluon_bwd._row_descriptor(torch.empty(5, 8), 64).layout
-    assert list(rows.shape) == [240] and list(rows.block_shape) == [64]
+    from triton.runtime.jit import mangle_type
+    job, f = _job()
+    lse2, delta, lam = f, f.clone(), f.clone()
+    args = gluon_bwd.dkdv_arguments(job, delta, lse2, lam, gluon_bwd.CONFIGS[128])
+    tile = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gl.bfloat16)
+    rows = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    q, k = job.q, job.k
+    expect = dict(
+        q_desc=_public(q, q.shape, (q.stride(1) * 4,) + q.stride()[1:], (1, 1, 64, 128), tile),  # B = 1
+        k_desc=_public(k, k.shape, (k.stride(1) * 2,) + k.stride()[1:], (1, 1, 64, 128), tile),
+        v_desc=_public(job.v, k.shape, (k.stride(1) * 2,) + k.stride()[1:], (1, 1, 64, 128), tile),
+        do_desc=_public(job.do, q.shape, (q.stride(1) * 4,) + q.stride()[1:], (1, 1, 64, 128), tile),
+        lse2_desc=_public(lse2, (4, 96), (96, 1), (1, 64), rows),
+        delta_desc=_public(delta, (4, 96), (96, 1), (1, 64), rows),
+        lam_desc=_public(lam, (4, 96), (96, 1), (1, 64), rows))
+    for name, want in expect.items():
+        got = args[name]
+        assert type(got) is type(want) and got.base is want.base, name
+        assert [list(getattr(got, n)) if n in ("shape", "strides", "block_shape") else getattr(got, n)
+                for n in gluon_bwd.DESCRIPTOR_FIELDS[1:]] == \
+            [list(getattr(want, n)) if n in ("shape", "strides", "block_shape") else getattr(want, n)
+             for n in gluon_bwd.DESCRIPTOR_FIELDS[1:]], name
+        assert mangle_type(got) == mangle_type(want), name
+
+
+@needs_gluon
+def test_shape_class_cache_is_bounded_and_keeps_no_tensor():
+    """The second call of a shape class reuses its templates (a cache hit, the same layout objects); the cache
+    has a bound; and it keeps no tensor of a call alive (the templates' bases are zero-size stand-ins)."""
+    import gc
+    import weakref
+    gluon_bwd._launch_class.cache_clear()
+    job, f = _job(sq=48)
+    a = gluon_bwd.dkdv_arguments(job, f, f, f, gluon_bwd.CONFIGS[128])
+    job2, f2 = _job(sq=48)
+    b = gluon_bwd.dkdv_arguments(job2, f2, f2, f2, gluon_bwd.CONFIGS[128])
+    info = gluon_bwd._launch_class.cache_info()
+    assert (info.hits, info.misses, info.maxsize) == (1, 1, gluon_bwd.LAUNCH_CLASS_CACHE_SIZE)
+    assert a["q_desc"].layout is b["q_desc"].layout and a["q_desc"].base is not b["q_desc"].base
+    ref = weakref.ref(job2.q)
+    del job2, f2, b
+    gc.collect()
+    assert ref() is None
+
+
+@needs_gluon
+def test_launch_arguments_refuse_what_tma_cannot_address():
+    """An unaligned base (checked every call, as the constructor does) and a scratch that is not the
+    contiguous (B·H, Sq) buffer are refused with a reason, not launched."""
+    base = torch.empty(1 * 4 * 96 * 128 + 1, dtype=torch.bfloat16)
+    job, f = _job(q=base[1:].view(1, 4, 96, 128))  # 2-byte offset
+    with pytest.raises(ValueError, match="aligned"):
+        gluon_bwd.dkdv_arguments(job, f, f, f, gluon_bwd.CONFIGS[128])
+    job, f = _job()
+    with pytest.raises(ValueError, match="scratch"):
+        gluon_bwd.dkdv_arguments(job, f.t(), f, f, gluon_bwd.CONFIGS[128])
+    with pytest.raises(ValueError, match="scratch"):
+        gluon_bwd.dkdv_arguments(job, f[:, :64], f, f, gluon_bwd.CONFIGS[128])
+
+
+def test_paired_release_needs_two_pairs_of_slots():
+    """``release_pairs`` hands two slots back at once: a ring of 2 or 3 slots would deadlock (the producer would
+    wait for the pair whose tile it is about to load), so the config refuses it."""
+    for stages in (2, 3, 5):
+        with pytest.raises(ValueError, match="release_pairs"):
+            gluon_bwd.KernelConfig(64, stages, release_pairs=True)
+    assert gluon_bwd.KernelConfig(64, 4, release_pairs=True).num_stages == 4
+    assert not any(c.release_pairs for c in gluon_bwd.CONFIGS.values())  # default unchanged until timed
 
 
 @pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
@@ -126,6 +207,19 @@ def test_default_configs_compile_for_sm90a_without_spills(head_dim):
     cfg = gluon_bwd.CONFIGS[head_dim]
     (row,) = gluon_compile_report(head_dims=(head_dim,), block_ms=(cfg.block_m,), stages=(cfg.num_stages,))
     assert "error" not in row, row
+    assert row["stack"] == 0 and row["regs"] == gluon_bwd.MAXNREG, row
+    assert row["smem"] <= gluon_bwd.SMEM_LIMIT_BYTES, row
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim", sorted(gluon_bwd.CONFIGS))
+def test_paired_release_variant_compiles_for_sm90a_without_spills(head_dim):
+    """The paired slot release at the default's tile rows (4 slots) compiles for sm_90a without spills and
+    within shared memory (the variant benchmarks/gluon_check.py times against the default)."""
+    from tests.helpers.kernel_build import gluon_compile_report
+    cfg = gluon_bwd.CONFIGS[head_dim]
+    (row,) = gluon_compile_report(head_dims=(head_dim,), block_ms=(cfg.block_m,), stages=(4,), release_pairs=(True,))
+    assert "error" not in row and row.get("release_pairs"), row
     assert row["stack"] == 0 and row["regs"] == gluon_bwd.MAXNREG, row
     assert row["smem"] <= gluon_bwd.SMEM_LIMIT_BYTES, row
 
