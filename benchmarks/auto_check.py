@@ -2,6 +2,7 @@
 
     python benchmarks/auto_check.py                  # H200: the acceptance numbers
     python benchmarks/auto_check.py --cpu --small    # a CPU smoke run of the same code (minutes -> seconds)
+    python benchmarks/auto_check.py --recheck runs/auto_check_run8.json   # a saved summary under today's rule
 
 Part A (overhead). A Llama built from a config (BF16, SDPA: cuDNN on the H200), random init, so its keys are
 benign (R_k ≈ 0). Forward + backward steps are timed in alternating blocks, unpatched vs
@@ -23,7 +24,8 @@ Prints one line per check and a JSON summary; `--out FILE` writes the JSON too. 
 check fails (`exit_status`): on a GPU every check but the per-call detector cost; on a CPU only the correctness
 checks — the timing criteria (overhead, detector cost) are printed and recorded but decide nothing there: a
 ±5 % bound on a few CPU steps of a shared machine measures its neighbours, and flipped the exit status from run
-to run.
+to run. ``--recheck`` re-decides saved summaries (``--out`` JSON) under this rule without running anything
+(tests/scripts/test_auto_check.py runs both through this CLI).
 """
 from __future__ import annotations
 
@@ -209,6 +211,21 @@ def exit_status(checks: dict, device: str) -> int:
     return 0 if all(ok for name, ok in checks.items() if deciding(name, device)) else 1
 
 
+def recheck(paths) -> int:
+    """The exit status each saved summary gets under ``exit_status``, one line per file
+    ("<path>: exit <status> on <cpu|cuda>; informative: <checks that did not decide>"); returns the worst."""
+    worst = 0
+    for path in paths:
+        with open(path) as f:
+            summary = json.load(f)
+        device = "cpu" if summary["device"] == "cpu" else "cuda"
+        status = exit_status(summary["checks"], device)
+        informative = [k for k in summary["checks"] if not deciding(k, device)]
+        print(f"{path}: exit {status} on {device}; informative: {', '.join(informative) or 'none'}")
+        worst = max(worst, status)
+    return worst
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true")
@@ -226,7 +243,11 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--recheck", nargs="+", metavar="SUMMARY", default=None,
+                    help="re-decide the exit status of saved summaries (--out JSON) under this rule; runs nothing")
     args = ap.parse_args(argv)
+    if args.recheck:
+        return recheck(args.recheck)
     if args.small:
         args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab = 3, 128, 4, 256, 2, 256
         args.drive_layer = min(args.drive_layer, args.layers - 1)

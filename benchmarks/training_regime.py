@@ -336,6 +336,7 @@ def _run(cfg: RunConfig, args: argparse.Namespace, log_path: str, t0: float) -> 
                           "heldout_bytes": len(trainer.corpus.heldout), "train_files": trainer.corpus.files_train,
                           "heldout_files": trainer.corpus.files_heldout},
                "offset": trainer.offset, "steps": trainer.steps_done, "error": error,
+               "probe": {"stats_seqs": probe.STATS_SEQS},  # sequences of a batch the per-step statistics read
                "step0_forward_bitwise_equal": trainer.step0_equal(),
                "arms": {a.name: a.curves for a in trainer.arms}, "seconds": time.time() - t0}
     if error is None:

@@ -85,3 +85,51 @@ def gather(text: torch.Tensor, starts: torch.Tensor, seq: int) -> torch.Tensor:
     """Token ids (len(starts), seq), int64."""
     idx = starts.reshape(-1, 1).to(text.device) + torch.arange(seq, device=text.device).reshape(1, -1)
     return text[idx].long()
+
+
+def describe(root: Optional[Path] = None, *, max_bytes: Optional[int] = None, list_files: bool = False,
+             windows: Optional[dict] = None, seeds: tuple = ()) -> dict:
+    """The split of ``root`` (default: this Python's stdlib) as JSON-ready facts: file and byte counts, the
+    sha256 of each split's text (equal across machines iff the corpora are), with ``list_files`` the relative
+    paths of each split, and for each seed the training windows ``windows`` = dict(steps, batch, seq) draws
+    plus the bytes (hex) of the first sequence of the first step."""
+    import hashlib
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    corpus = load_corpus(max_bytes=max_bytes, root=root)
+    out = {"root": str(root), "heldout_every": HELDOUT_EVERY, "files_train": corpus.files_train,
+           "files_heldout": corpus.files_heldout, "train_bytes": len(corpus.train),
+           "heldout_bytes": len(corpus.heldout),
+           "train_sha256": hashlib.sha256(corpus.train.numpy().tobytes()).hexdigest(),
+           "heldout_sha256": hashlib.sha256(corpus.heldout.numpy().tobytes()).hexdigest()}
+    if list_files:
+        names = [p.relative_to(root).as_posix() for p in stdlib_sources(root)]
+        out["files"] = names
+        out["heldout_files"] = names[::HELDOUT_EVERY]
+    for seed in seeds:
+        starts = train_windows(n_tokens=len(corpus.train), seed=seed, **windows)
+        first = gather(corpus.train, starts[0], windows["seq"])[0]
+        out.setdefault("windows", {})[str(seed)] = {"starts": starts.tolist(), "first": bytes(first.tolist()).hex()}
+    return out
+
+
+def main(argv=None) -> int:
+    """``python benchmarks/training_regime_data.py``: this machine's corpus split, as JSON (``describe``)."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description="the training corpus split of training_regime.py, as JSON")
+    ap.add_argument("--root", default=None, help="a source tree instead of this Python's stdlib")
+    ap.add_argument("--max-bytes", type=int, default=None)
+    ap.add_argument("--list", action="store_true", help="also the relative paths of both splits")
+    ap.add_argument("--seeds", default="", help="comma-separated seeds: the training windows each one draws")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    args = ap.parse_args(argv)
+    seeds = tuple(int(s) for s in args.seeds.split(",") if s)
+    print(json.dumps(describe(args.root, max_bytes=args.max_bytes, list_files=args.list, seeds=seeds,
+                              windows=dict(steps=args.steps, batch=args.batch, seq=args.seq)), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -154,3 +154,29 @@ def gradient_gap(g: torch.Tensor, ref: torch.Tensor) -> Dict[str, float]:
     vals = torch.stack([torch.dot(g64, r64) / (g64.norm().clamp_min(TINY) * rn), (g64 - r64).norm() / rn,
                         g64.norm() / rn]).cpu().tolist()
     return {"cosine": vals[0], "rel_diff": vals[1], "norm_ratio": vals[2]}
+
+
+def main(argv=None) -> int:
+    """``python benchmarks/training_regime_probe.py SAVED.pt``: the statistics of attention inputs saved with
+    ``torch.save`` (a dict: ``calls``, a list of dicts of ``AttentionCall``'s fields without grads, and/or
+    ``gaps``, a list of pairs (g, ref) of flat gradients), as JSON: per call R_k per (sequence, KV head) and
+    ``layer_statistics`` over the calls; ``gradient_gap(g, ref)`` of each pair."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description="statistics of saved attention inputs, as training_regime logs them")
+    ap.add_argument("saved", help="a torch.save'd dict with 'calls' and/or 'gaps'")
+    args = ap.parse_args(argv)
+    saved = torch.load(args.saved, weights_only=True)
+    out = {}
+    if "calls" in saved:
+        calls = [AttentionCall(**c) for c in saved["calls"]]
+        out["offset_ratio"] = [offset_ratio(c.k).tolist() for c in calls]
+        out["layer_statistics"] = layer_statistics(calls)
+    if "gaps" in saved:
+        out["gradient_gap"] = [gradient_gap(g, ref) for g, ref in saved["gaps"]]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,8 @@
 """The structure rules of issue 20 (item 8), checked on the source: one runtime state, no import cycle at any
 level and no upward import, no environment read in the numerics, no host function with a dozen loose arguments.
 
-Each rule is an AST scan of ``gproj_patch/``; a violation names the file, line and what to do instead.
+Each rule is an AST scan of ``gproj_patch/`` (the last one: of ``tests/``, which loads no benchmark script); a
+violation names the file, line and what to do instead.
 """
 import ast
 
@@ -198,3 +199,95 @@ def test_no_host_function_with_a_dozen_loose_arguments():
             if n > MAX_PARAMETERS:
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n})")
     assert not bad, bad
+
+
+# ---- tests load no benchmark script ----------------------------------------------------------------------------
+BENCHMARKS = REPO / "benchmarks"
+#: calls that import or run a file or put a folder on the import path (matched on the call's last name) ...
+LOADERS = {"spec_from_file_location", "SourceFileLoader", "run_path", "run_module", "import_module", "__import__",
+           "addsitedir", "exec"}
+#: ... and the edits of ``sys.path``
+PATH_EDITS = {"insert", "append", "extend"}
+
+
+def _benchmark_loads(source: str, stems) -> list:
+    """(line, what) of each place in a test file's source that imports a benchmark script (``import X`` / ``from
+    X import`` with X a script of benchmarks/ or ``benchmarks`` itself) or hands a benchmarks path to a loader
+    (``LOADERS``: importlib's spec/loader/import_module, runpy, ``sys.path.insert`` ...). A loader's arguments are
+    followed through the names they use, to what those names were assigned anywhere in the file."""
+    tree = ast.parse(source)
+    assigned = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                for n in ast.walk(target):
+                    if isinstance(n, ast.Name):
+                        assigned.setdefault(n.id, []).append(node.value)
+
+    def strings(expr, seen):
+        for n in ast.walk(expr):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str):
+                yield n.value
+            elif isinstance(n, ast.Name) and n.id not in seen:
+                seen.add(n.id)
+                for value in assigned.get(n.id, ()):
+                    yield from strings(value, seen)
+
+    def names_benchmarks(text):
+        parts = set(text.replace("\\", "/").replace(".", "/").split("/"))
+        return "benchmarks" in parts or text in stems
+
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bad += [(node.lineno, f"import {a.name}") for a in node.names if names_benchmarks(a.name.split(".")[0])]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if names_benchmarks(node.module.split(".")[0]):
+                bad.append((node.lineno, f"from {node.module} import ..."))
+        elif isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            on_path = isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) in ("sys.path", "path")
+            if func not in LOADERS and not (func in PATH_EDITS and on_path):
+                continue
+            seen = set()
+            hits = [s for arg in node.args + [k.value for k in node.keywords] for s in strings(arg, seen)
+                    if names_benchmarks(s) or s.split("/")[-1].removesuffix(".py") in stems]
+            if hits:
+                bad.append((node.lineno, f"{ast.unparse(node.func)}(...) with {sorted(set(hits))}"))
+    return bad
+
+
+def _benchmark_stems():
+    return {p.stem for p in BENCHMARKS.glob("*.py")}
+
+
+def test_no_test_loads_a_benchmark_script():
+    """Tests (helpers included) run benchmark scripts through their command line in a subprocess, never import
+    or exec them: a script is not an API, and its import-time side effects (sys.path edits, module-level
+    configuration) would leak into the test process. (A script may import a test helper; not the reverse.)"""
+    stems = _benchmark_stems()
+    bad = [f"{path.relative_to(REPO)}:{line}: {what}" for path in sorted((REPO / "tests").rglob("*.py"))
+           for line, what in _benchmark_loads(path.read_text(), stems)]
+    assert not bad, "tests loading benchmark scripts (run them as a subprocess instead):\n" + "\n".join(bad)
+
+
+def test_the_benchmark_rule_sees_every_way_in():
+    """The scan above flags each way a test could load a script, and not a subprocess run of one."""
+    stems = {"auto_check", "training_regime"}
+    loads = {
+        "import training_regime": 1,
+        "from benchmarks.auto_check import exit_status": 1,
+        "import benchmarks.auto_check as ac": 1,
+        "import importlib.util\nP = ROOT / 'benchmarks' / 'auto_check.py'\n"
+        "spec = importlib.util.spec_from_file_location('ac', P)": 1,
+        "import runpy\nrunpy.run_path('benchmarks/auto_check.py')": 1,
+        "import os, sys\nB = os.path.join(os.path.dirname(__file__), '..', 'benchmarks')\nsys.path.insert(0, B)": 1,
+        "import importlib\nmod = importlib.import_module('training_regime')": 1,
+        "exec(open('benchmarks/auto_check.py').read())": 1,
+        "import subprocess, sys\nS = ROOT / 'benchmarks' / 'auto_check.py'\n"
+        "subprocess.run([sys.executable, str(S), '--cpu'])": 0,
+        "import importlib\nmod = importlib.import_module('gproj_patch.audit')": 0,
+        "names = []\nnames.append('benchmarks/auto_check.py')": 0,
+    }
+    for source, expected in loads.items():
+        assert len(_benchmark_loads(source, stems)) == expected, source

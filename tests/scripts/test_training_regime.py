@@ -1,26 +1,27 @@
 """CPU run of ``benchmarks/training_regime.py --cpu --small`` (issue 12): the plumbing, not the science.
 
-One small lockstep run of the four arms (~20 s on one CPU thread) shared by the tests below, plus unit checks of
-its data split and of its statistics against direct fp64 computations. On a CPU the ``gproj`` arm runs the FP32
-tier (no GPU kernel), so ``gproj`` and ``fp32`` coincide here; the unpatched arm is PyTorch's CPU flash backward,
-which rounds dS to BF16 like the fused GPU kernels.
+The scripts are run through their command lines in a subprocess, never imported (tests do not import benchmark
+scripts). One small lockstep run of the four arms (~10 s on one CPU thread) shared by the tests below, read back
+from its JSON (floats to 6 significant digits), log and plot; plus checks of its data split
+(``training_regime_data.py`` on a synthetic source tree) and of its statistics (``training_regime_probe.py`` on
+saved tensors) against direct fp64 computations. On a CPU the ``gproj`` arm runs the FP32 tier (no GPU kernel),
+so ``gproj`` and ``fp32`` coincide here; the unpatched arm is PyTorch's CPU flash backward, which rounds dS to
+BF16 like the fused GPU kernels.
 """
-import importlib
+import hashlib
 import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
-sys.path.insert(0, BENCH)
-tr = importlib.import_module("training_regime")
-data = importlib.import_module("training_regime_data")
-probe = importlib.import_module("training_regime_probe")
+from gproj_patch.runtime import config
+from tests.helpers.paths import REPO
 
-import gproj_patch  # noqa: E402
+BENCH = REPO / "benchmarks"
 
 ARMS = ("unpatched", "gproj", "auto", "fp32")
 #: The regime's leak must be visible: uncorrected dq error on the offset layer at R_k = 512 is ~100 % (≥ 20 %).
@@ -29,19 +30,25 @@ REGIME_DQ_ERROR = 0.20
 CORRECTED_DQ_ERROR = 0.005
 
 
+def _script(name, *args):
+    """``benchmarks/<name>.py`` run with ``args`` (the patch's environment variables cleared); its stdout."""
+    env = {k: v for k, v in os.environ.items() if k not in config.ENV.values()}
+    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *map(str, args)], cwd=str(REPO), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("training_regime")
-    gproj_patch.disable()
-    try:
-        results = tr.main(["--cpu", "--small", "--out", str(out)])
-    finally:
-        gproj_patch.disable()
-    return results, out
+    stdout = _script("training_regime", "--cpu", "--small", "--out", out)
+    with open(out / "training_regime.json") as f:
+        return json.load(f), out, stdout
 
 
 def test_forwards_bitwise_equal_at_step0(run):
-    results, _ = run
+    results, _, _ = run
     assert set(results["step0_forward_bitwise_equal"]) == set(ARMS)
     assert all(results["step0_forward_bitwise_equal"].values()), results["step0_forward_bitwise_equal"]
     first_losses = {a: results["arms"][a]["loss"][0] for a in ARMS}
@@ -49,14 +56,13 @@ def test_forwards_bitwise_equal_at_step0(run):
 
 
 def test_outputs_and_curves(run):
-    results, out = run
-    cfg = results["config"]
-    with open(out / "training_regime.json") as f:
-        saved = json.load(f)
-    assert saved["steps"] == results["steps"] == cfg["max_steps"]
+    saved, out, stdout = run
+    cfg = saved["config"]
+    assert saved["steps"] == cfg["max_steps"] and saved["error"] is None
     assert (out / "training_regime.png").stat().st_size > 10_000
     log_text = (out / "training_regime.log").read_text()
     assert "step-0 forward bitwise equal across arms" in log_text
+    assert stdout.strip() and log_text.rstrip().endswith(stdout.strip())  # the table printed last, also logged
     assert all(any(line.startswith(f"{name:10s} | ") for line in log_text.splitlines()) for name in ARMS)
     for name in ARMS:
         c = saved["arms"][name]
@@ -74,13 +80,13 @@ def test_outputs_and_curves(run):
 
 def test_grad_norm_is_pre_clip(run):
     """The logged norm is clip_grad_norm_'s return value: it exceeds the clip threshold at the start."""
-    results, _ = run
+    results, _, _ = run
     norms = results["arms"]["fp32"]["grad_norm"]
     assert max(norms) > 2 * results["config"]["clip"], norms
 
 
 def test_regime_reached_and_seen_by_the_oracle(run):
-    results, _ = run
+    results, _, _ = run
     cfg, arms = results["config"], results["arms"]
     for layer in cfg["offset_layers"]:
         r_k0 = arms["unpatched"]["r_k"][0][layer]
@@ -101,7 +107,7 @@ def test_regime_reached_and_seen_by_the_oracle(run):
 def test_auto_flags_offset_layers_and_agrees_with_the_oracle(run):
     """auto is told nothing: it must move the offset layers off 'original'; at step 0 (same weights, same batch
     in every arm) the layers it left on 'original' must be ones whose uncorrected backward the oracle finds close."""
-    results, _ = run
+    results, _, _ = run
     cfg, arms = results["config"], results["arms"]
     tiers0 = arms["auto"]["auto_tier"][0]
     assert all(tiers0[i] != "original" for i in cfg["offset_layers"]), tiers0
@@ -115,9 +121,9 @@ def test_auto_flags_offset_layers_and_agrees_with_the_oracle(run):
 
 def test_r_k_matches_the_detector_on_sampled_steps(run):
     """Our R_k (training_regime_probe, full batch here) against the detector's (policy.stats()) on the same call."""
-    results, _ = run
+    results, _, _ = run
     cfg, auto = results["config"], results["arms"]["auto"]
-    assert cfg["batch"] <= probe.STATS_SEQS
+    assert cfg["batch"] <= results["probe"]["stats_seqs"]
     compared = 0
     for sample in auto["detector"]:
         ours = auto["r_k"][sample["step"]]
@@ -127,7 +133,8 @@ def test_r_k_matches_the_detector_on_sampled_steps(run):
     assert compared >= cfg["layers"] * 2
 
 
-def test_offset_ratio_and_logits_against_fp64():
+def test_offset_ratio_logits_and_gradient_gap_against_fp64(tmp_path):
+    """The probe's statistics (``training_regime_probe.py`` on tensors saved here) against fp64 by hand."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 33, 64, generator=g, dtype=torch.float64)
     k = torch.randn(2, 2, 33, 64, generator=g, dtype=torch.float64) * 0.5
@@ -138,43 +145,49 @@ def test_offset_ratio_and_logits_against_fp64():
             mean = k[b, h].mean(0)
             spread = math.sqrt(sum(float((row - mean).dot(row - mean)) for row in k[b, h]) / 33)
             expected[b, h] = mean.norm() / spread
-    assert torch.allclose(probe.offset_ratio(k).double(), expected, rtol=1e-5)
-    call = probe.AttentionCall(q=q.float(), k=k.float(), v=k.float(), attn_mask=None, is_causal=True, scale=None)
-    stats = probe.layer_statistics([call])
+    call = dict(q=q.float(), k=k.float(), v=k.float(), attn_mask=None, is_causal=True, scale=None)
+    ref = torch.tensor([3.0, 4.0])
+    torch.save({"calls": [call], "gaps": [(ref, ref), (torch.tensor([0.0, 10.0]), ref)]}, tmp_path / "saved.pt")
+    got = json.loads(_script("training_regime_probe", tmp_path / "saved.pt"))
+    assert torch.allclose(torch.tensor(got["offset_ratio"][0], dtype=torch.float64), expected, rtol=1e-5)
+    stats = got["layer_statistics"]
     s = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, dim=1)) / 8.0
     visible = torch.ones(33, 33, dtype=torch.bool).tril()
     s = s.masked_fill(~visible, float("-inf"))
     assert stats["max_logit"][0] == pytest.approx(s[s.isfinite()].abs().max().item(), rel=1e-5)
     assert stats["p_max"][0] == pytest.approx(torch.softmax(s, -1).amax(-1).mean().item(), rel=1e-5)
     assert stats["r_k"][0] == pytest.approx(expected.max().item(), rel=1e-5)
-
-
-def test_gradient_gap():
-    g = torch.tensor([3.0, 4.0])
-    assert probe.gradient_gap(g, g) == pytest.approx({"cosine": 1.0, "rel_diff": 0.0, "norm_ratio": 1.0})
-    gap = probe.gradient_gap(torch.tensor([0.0, 10.0]), g)
-    assert gap == pytest.approx({"cosine": 0.8, "rel_diff": math.sqrt(9 + 36) / 5, "norm_ratio": 2.0})
+    same, other = got["gradient_gap"]
+    assert same == pytest.approx({"cosine": 1.0, "rel_diff": 0.0, "norm_ratio": 1.0})
+    # g = (0, 10), ref = (3, 4): cos = 40 / (10·5), ‖g − ref‖ / ‖ref‖ = √(9 + 36) / 5, ‖g‖ / ‖ref‖ = 2
+    assert other == pytest.approx({"cosine": 0.8, "rel_diff": math.sqrt(9 + 36) / 5, "norm_ratio": 2.0})
 
 
 def test_data_split_is_deterministic_and_disjoint(tmp_path):
+    """``training_regime_data.py`` on a synthetic source tree: files in sorted path order, every
+    ``heldout_every``-th held out whole, site-packages excluded, each split its files joined by NUL; the training
+    windows a function of the seed (the same in two processes)."""
+    contents = {}
     for i in range(45):
-        sub = tmp_path / ("pkg" if i % 3 else "") / f"m{i:02d}.py"
-        sub.parent.mkdir(exist_ok=True)
-        sub.write_bytes(f"# file {i}\n".encode() * (i + 1))
+        path = tmp_path / ("pkg" if i % 3 else "") / f"m{i:02d}.py"
+        path.parent.mkdir(exist_ok=True)
+        contents[path.relative_to(tmp_path).as_posix()] = f"# file {i}\n".encode() * (i + 1)
+        path.write_bytes(contents[path.relative_to(tmp_path).as_posix()])
     (tmp_path / "site-packages").mkdir()
     (tmp_path / "site-packages" / "x.py").write_bytes(b"excluded")
-    files = data.stdlib_sources(tmp_path)
-    assert len(files) == 45 and all("site-packages" not in p.parts for p in files)
-    names = [p.relative_to(tmp_path).as_posix() for p in files]
-    assert names == sorted(names)
-    corpus = data.load_corpus(root=tmp_path)
-    held = [files[i].read_bytes() for i in range(0, 45, data.HELDOUT_EVERY)]
-    assert bytes(corpus.heldout.tolist()) == data.DOC_SEPARATOR.join(held) + data.DOC_SEPARATOR
-    assert corpus.files_heldout == 3 and corpus.files_train == 42
-    train = bytes(corpus.train.tolist())
-    assert not set(held) & set(train.split(data.DOC_SEPARATOR))
-    a = data.train_windows(steps=5, batch=3, seq=8, n_tokens=len(corpus.train), seed=1)
-    assert torch.equal(a, data.train_windows(steps=5, batch=3, seq=8, n_tokens=len(corpus.train), seed=1))
-    assert not torch.equal(a, data.train_windows(steps=5, batch=3, seq=8, n_tokens=len(corpus.train), seed=2))
-    ids = data.gather(corpus.train, a[0], 8)
-    assert ids.shape == (3, 8) and bytes(ids[0].tolist()) == train[int(a[0, 0]):int(a[0, 0]) + 8]
+    args = ("--root", tmp_path, "--list", "--steps", 5, "--batch", 3, "--seq", 8)
+    split = json.loads(_script("training_regime_data", *args, "--seeds", "1,2"))
+    again = json.loads(_script("training_regime_data", *args, "--seeds", "1"))
+    names = sorted(contents)
+    assert split["files"] == names
+    held = names[::split["heldout_every"]]
+    assert split["heldout_files"] == held and split["files_heldout"] == 3 and split["files_train"] == 42
+    train = b"".join(contents[n] + b"\x00" for n in names if n not in held)  # no held-out file in it
+    assert split["train_sha256"] == hashlib.sha256(train).hexdigest()
+    assert split["heldout_sha256"] == hashlib.sha256(b"".join(contents[n] + b"\x00" for n in held)).hexdigest()
+    w1, w2 = split["windows"]["1"], split["windows"]["2"]
+    assert w1 == again["windows"]["1"] and w1["starts"] != w2["starts"]
+    assert len(w1["starts"]) == 5 and all(len(row) == 3 for row in w1["starts"])
+    assert all(0 <= x < len(train) - 8 for row in w1["starts"] for x in row)
+    start = w1["starts"][0][0]
+    assert bytes.fromhex(w1["first"]) == train[start:start + 8]
