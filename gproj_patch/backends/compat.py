@@ -350,3 +350,143 @@ def current_cuda_stream(device_index: int) -> int:
     """The raw handle of the current CUDA stream of ``device_index`` (what Triton's launch path passes),
     ``torch._C._cuda_getCurrentRawStream``. Checked: torch 2.11, 2.13."""
     return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+# ---- SDPA's fused ops as its own composite calls them (the compiled SDPA hook) -----------------------------
+# Touch-points, checked against torch 2.13 (CPU: the flash-for-CPU op, tests/hooks/test_compiled_fused.py) and
+# 2.11 (H200: flash, efficient, cuDNN; that file's CUDA tests): the kernel of ``aten.scaled_dot_product_attention``
+# (``OpOverload.decompose``: the composite that chooses the backend, converts a boolean mask, pads head dims);
+# ``torch.utils._python_dispatch.TorchDispatchMode`` (to see the fused op that composite calls); the aten ops
+# ``_scaled_dot_product_{flash_attention, flash_attention_for_cpu, efficient_attention, cudnn_attention}`` (their
+# argument names, the positions of their outputs) and their ``_backward`` ops (argument names).
+import functools  # noqa: E402  (this block's own imports, kept with it)
+from dataclasses import dataclass  # noqa: E402
+from types import MappingProxyType  # noqa: E402
+from typing import Dict, Tuple  # noqa: E402
+
+
+@dataclass(frozen=True)
+class FusedSdpaOp:
+    """One fused SDPA forward op: its backward op, the ``SDPBackend`` member that selects it, and the positions
+    of its outputs beyond (output, logsumexp): the dropout RNG state, and (cum_seq_q, cum_seq_k, max_q, max_k)."""
+    backward: str
+    backend: str
+    rng: Tuple[int, ...]
+    seqlens: Tuple[int, ...]
+
+
+#: the fused forward ops SDPA's composite calls (aten names), each with what its backward needs
+SDPA_FUSED_OPS = MappingProxyType({
+    "_scaled_dot_product_flash_attention_for_cpu": FusedSdpaOp(
+        "_scaled_dot_product_flash_attention_for_cpu_backward", "FLASH_ATTENTION", (), ()),
+    "_scaled_dot_product_flash_attention": FusedSdpaOp(
+        "_scaled_dot_product_flash_attention_backward", "FLASH_ATTENTION", (6, 7), (2, 3, 4, 5)),
+    "_scaled_dot_product_efficient_attention": FusedSdpaOp(
+        "_scaled_dot_product_efficient_attention_backward", "EFFICIENT_ATTENTION", (2, 3), ()),
+    "_scaled_dot_product_cudnn_attention": FusedSdpaOp(
+        "_scaled_dot_product_cudnn_attention_backward", "CUDNN_ATTENTION", (6, 7), (2, 3, 4, 5)),
+})
+#: backward-argument names that take a forward's value under another name
+_SDPA_BACKWARD_ALIASES = MappingProxyType({"grad_out_": "grad_out", "attn_mask": "attn_bias",
+                                           "philox_seed": "rng_0", "philox_offset": "rng_1"})
+
+
+@dataclass(frozen=True, eq=False)
+class FusedSdpaCall:
+    """The fused op one SDPA call ran: its aten name, its arguments by schema name (tensors included; the query
+    alias the capture made is given back as the caller's query) and its outputs (empty when not run)."""
+    op: str
+    args: Dict[str, Any]
+    outputs: Tuple[Any, ...]
+
+
+class _StopAtFused(Exception):
+    """Raised by the capture at the fused op when only its arguments are wanted."""
+
+
+@functools.lru_cache(maxsize=16)  # bounded: one entry per fused op overload (four)
+def _schema_of(func) -> Tuple[Tuple[str, ...], Tuple[Tuple[str, Any], ...]]:
+    """(argument names, (name, default) of the arguments with one) of an op overload's schema."""
+    arguments = func._schema.arguments
+    return tuple(a.name for a in arguments), tuple((a.name, a.default_value) for a in arguments
+                                                    if a.has_default_value())
+
+
+def _bound_args(func, args, kwargs) -> Dict[str, Any]:
+    names, defaults = _schema_of(func)
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+@functools.lru_cache(maxsize=1)  # bounded: one class, made on first use
+def _fused_capture_class():
+    """The dispatch mode that passes every op through and records the first fused SDPA op (``SDPA_FUSED_OPS``)
+    with its arguments (``torch.utils._python_dispatch`` imported on first use, not while this module loads)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FusedCapture(TorchDispatchMode):
+        def __init__(self, stop: bool):
+            super().__init__()
+            self.stop, self.call = stop, None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if self.call is not None or func.namespace != "aten" or name not in SDPA_FUSED_OPS:
+                return func(*args, **kwargs)
+            bound = _bound_args(func, args, kwargs)
+            if self.stop:
+                self.call = FusedSdpaCall(name, bound, ())
+                raise _StopAtFused
+            out = func(*args, **kwargs)
+            self.call = FusedSdpaCall(name, bound, tuple(out))
+            return out
+    return FusedCapture
+
+
+def sdpa_fused_call(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool, *, stop: bool = False,
+                    backend: Optional[str] = None):
+    """(output, FusedSdpaCall or None): torch's own SDPA composite run on these inputs as a training call runs
+    (grad mode on, a query that requires grad: the backend choice and the LSE of the unpatched compiled call's
+    joint graph, and what the ``sdpa_kernel`` flags in force allow), with the fused op it called (None: the math
+    backend). ``stop``: the fused op is not run (output None; its arguments, e.g. the mask's bias, are wanted);
+    ``backend``: only that ``SDPBackend`` member enabled. Dropout is 0 (the hook passes dropout through)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qa = q.detach().requires_grad_()
+    capture = _fused_capture_class()(stop)
+    only = sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext()
+    out = None
+    with torch.enable_grad(), only, capture:
+        try:
+            out = torch.ops.aten.scaled_dot_product_attention.default.decompose(
+                qa, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+        except _StopAtFused:
+            pass
+    if out is NotImplemented:
+        raise CompatError("aten.scaled_dot_product_attention has no composite kernel (checked on torch 2.11, 2.13)")
+    call = capture.call
+    if call is not None and call.args.get("query") is qa:
+        call.args["query"] = q
+    return out, call
+
+
+def sdpa_fused_backward(op: str, tensors: Dict[str, Any], scalars: Dict[str, Any]):
+    """(dq, dk, dv) of the fused op ``op``'s own backward, its arguments taken by name from ``tensors``
+    (grad_out, query, key, value, out, logsumexp, attn_bias, rng_0/rng_1: the forward's RNG state, cum_seq_q,
+    cum_seq_k) and ``scalars`` (max_q, max_k, dropout_p, is_causal, scale); ``grad_input_mask`` (efficient):
+    q, k, v, and not the bias (a mask that requires grad never takes this path)."""
+    func = getattr(torch.ops.aten, SDPA_FUSED_OPS[op].backward).default
+    given = dict(tensors, **scalars, grad_input_mask=[True, True, True, False])
+    args, kwargs = [], {}
+    for a in func._schema.arguments:
+        key = _SDPA_BACKWARD_ALIASES.get(a.name, a.name)
+        if key not in given:
+            raise CompatError(f"{func} takes {a.name!r}, which its forward does not give (checked on torch 2.11, "
+                              "2.13)")
+        if a.kwarg_only:
+            kwargs[a.name] = given[key]
+        else:
+            args.append(given[key])
+    return tuple(func(*args, **kwargs)[:3])

@@ -1,13 +1,18 @@
 """The SDPA hook under ``torch.compile``: custom ops ``gproj::sdpa_fwd`` / ``gproj::sdpa_bwd``, opaque to Dynamo.
 
-Inside ``sdpa_fwd`` the output is the original SDPA under ``no_grad`` (same bits), and the call's record and
-plan are made (``record.make_context``, ``plan.make_plan``: at the forward, at run time, so never a graph
-constant or a Dynamo guard) and filed in the runtime state (``STATE.file_compiled_call``, bounded, no tensors):
-the call number travels to the backward in the ``aux`` output and the mask as an op input, so the backward reads
-only what the forward recorded and planned. No autograd node is reachable inside a custom op, so on CUDA the LSE is
-recomputed: by the Triton LSE kernel (``triton_lse.attention_lse``, a forward without V) without a mask, else by
-a chunked FP32 pass. In ``auto``/``audit`` a policy choice of "original" runs an uncorrected stand-in (the real
-fused backward is unreachable from inside the op), with that reason logged.
+Inside ``sdpa_fwd`` the output is torch's own SDPA composite run as the unpatched compiled call runs it — the same
+backend choice, mask conversion and fused aten op (``sdpa_fused.fused_forward``): the same bits — and that op's
+own LSE is kept (no second pass). The call's record and plan are made there (``record.make_context``,
+``plan.make_plan``: at the forward, at run time, so never a graph constant or a Dynamo guard) and filed in the
+runtime state (``STATE.file_compiled_call``, bounded, no tensors): the call number travels to the backward in the
+``aux`` output and the mask as an op input, so the backward reads only what the forward recorded and planned. A
+plan of ``"original"`` (``auto``/``audit`` keeping the layer) runs the fused op's own aten backward
+(``sdpa_fused.fused_backward``): the unpatched gradients, bit for bit.
+
+Where no fused op applies (the math backend, a composite that changed q/k/v, a replaced SDPA), the reason is
+counted and the LSE is recomputed on CUDA — by the Triton LSE kernel (``triton_lse.attention_lse``, a forward
+without V) without a mask, else by a chunked FP32 pass — and an ``"original"`` plan runs an uncorrected stand-in
+(that reason logged). The LSE output is (B, H, Sq) fp32 on every path, so the fake kernel needs no backend.
 """
 from __future__ import annotations
 
@@ -22,22 +27,26 @@ from ..dispatch.plan import BackwardPlan, ForwardTensors, kernel_reason, make_pl
 from ..dispatch.record import CallRecord, Context, Problem, make_context
 from ..dispatch.router import run_backward
 from ..runtime.state import STATE
-from .sdpa_call import backward_tensors, original_sdpa, problem_for
+from ..runtime import telemetry
+from .sdpa_call import backward_tensors, problem_for
+from .sdpa_fused import FusedForward, fused_backward, fused_forward
 
-STAND_IN_REASON = "torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in"
+STAND_IN_REASON = "torch.compile: no fused SDPA op to run backward; uncorrected stand-in"
 _CHUNK_ROWS = 256
-
 
 
 @dataclass(frozen=True)
 class CompiledCall:
     """What a compiled forward op leaves for its backward op (filed in ``STATE.compiled_calls``; no tensors):
-    the call's context and plan, and whether the uncorrected stand-in of an ``original`` plan can run on the
-    kernel (decided with the plan, at the forward)."""
+    the call's context and plan, the fused op whose own backward an ``original`` plan runs (or, without one,
+    whether its uncorrected stand-in can run on the kernel: decided with the plan, at the forward), and whether
+    the LSE output holds an LSE."""
     problem: Problem            # without its mask tensor (the backward op gets the mask as an input)
     context: Context
     plan: BackwardPlan
+    fused: Optional[FusedForward]
     stand_in_kernel: bool
+    has_lse: bool
 
     def record(self, attn_mask: Optional[Tensor]) -> CallRecord:
         problem = self.problem if self.problem.attn_mask is None and not self.problem.padded else \
@@ -90,38 +99,46 @@ def _recomputed_lse(q, k, attn_mask, is_causal, problem: Problem) -> Tensor:
 @torch.library.custom_op("gproj::sdpa_fwd", mutates_args=())
 def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
               scale: Optional[float], enable_gqa: bool, layer: str, mode: str) -> Tuple[Tensor, Tensor, Tensor]:
-    with torch.no_grad():
-        out = original_sdpa()(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
-                              enable_gqa=enable_gqa)
+    result = fused_forward(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     problem = problem_for(q, k, attn_mask, is_causal, scale)  # the mask's flags, derived once per call
-    if q.device.type == "cuda":
-        lse = _recomputed_lse(q, k, attn_mask, is_causal, problem)
-    else:  # the CPU tiers need no LSE
-        lse = q.new_empty((0,), dtype=torch.float32)
+    lse = result.lse
+    if result.fused is None:
+        telemetry.note_reason(f"torch.compile SDPA: {result.reason}; "
+                              f"{'LSE recomputed' if q.is_cuda else 'no LSE (CPU tiers)'}",
+                              telemetry.shape_class("sdpa", q, k))
+        if q.is_cuda:
+            lse = _recomputed_lse(q, k, attn_mask, is_causal, problem)
     from ..runtime import config
     cfg = config.active() or config.resolve(mode=mode)
-    aux = torch.tensor([_plan_call(q, k, v, out, lse, problem, layer, cfg)], dtype=torch.int64)
-    return _in_query_layout(out, q, v), lse, aux
+    out = _in_query_layout(result.out, q, v)
+    aux = torch.tensor([_plan_call(ForwardTensors(q, k, v, out, lse), problem, result.fused, layer, cfg)],
+                       dtype=torch.int64)
+    if lse is None:  # the output's place (no LSE: the plan knows it)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return out, lse, aux
 
 
-def _plan_call(q, k, v, out, lse, problem: Problem, layer: str, cfg: Config) -> int:
+def _plan_call(tensors: ForwardTensors, problem: Problem, fused: Optional[FusedForward], layer: str,
+               cfg: Config) -> int:
     """The call's record and plan, made at the forward (inside the op, at run time: never a graph constant or
     a Dynamo guard) and filed for the backward op; returns the call number."""
     record = CallRecord(problem, make_context("sdpa", layer or None, cfg))
-    tensors = ForwardTensors(q, k, v, out, lse if lse.numel() else None)
-    record = make_plan(record, tensors, has_original=True)  # "original": the uncorrected stand-in
-    stand_in_kernel = (record.plan.tier == "original"
+    record = make_plan(record, tensors, has_original=True)  # "original": the fused op's backward (or stand-in)
+    stand_in_kernel = (fused is None and record.plan.tier == "original"
                        and kernel_reason(tensors, record.problem, cpu_kernel=record.context.cpu_kernel) is None)
     problem = replace(record.problem, attn_mask=None) if record.problem.attn_mask is not None else record.problem
-    return STATE.file_compiled_call(CompiledCall(problem, record.context, record.plan, stand_in_kernel))
+    return STATE.file_compiled_call(CompiledCall(problem, record.context, record.plan, fused, stand_in_kernel,
+                                                 has_lse=tensors.lse is not None))
 
 
 def _in_query_layout(out: Tensor, q: Tensor, v: Tensor) -> Tensor:
     """The output in q's dimension order (what cuDNN returns; callers such as PyTorch's own tests check it),
-    a layout the fake kernel can state without knowing which backend runs."""
+    a layout the fake kernel can state without knowing which backend runs; copied only when not already so."""
     if v.shape[3] != q.shape[3]:
         return out.contiguous()
     res = torch.empty_like(q)
+    if res.stride() == out.stride():
+        return out
     res.copy_(out)
     return res
 
@@ -129,7 +146,7 @@ def _in_query_layout(out: Tensor, q: Tensor, v: Tensor) -> Tensor:
 @_sdpa_fwd.register_fake
 def _(q, k, v, attn_mask, is_causal, scale, enable_gqa, layer, mode):
     out = torch.empty_like(q) if v.shape[3] == q.shape[3] else q.new_empty(q.shape[:3] + (v.shape[3],))
-    lse = q.new_empty(q.shape[:3] if q.device.type == "cuda" else (0,), dtype=torch.float32)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # on every path (the backend is not needed here)
     return out, lse, torch.empty(1, dtype=torch.int64, device="cpu")
 
 
@@ -137,9 +154,13 @@ def _(q, k, v, attn_mask, is_causal, scale, enable_gqa, layer, mode):
 def _sdpa_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor],
               aux: Tensor, is_causal: bool, scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
     call = STATE.compiled_call(int(aux[0]))
-    tensors, record = backward_tensors(call.record(attn_mask), do, q, k, v, out, lse if lse.numel() else None)
+    tensors, record = backward_tensors(call.record(attn_mask), do, q, k, v, out, lse if call.has_lse else None)
     if record.problem.padded:  # the mask stayed a dense tensor: the plan made for that case
         record = CallRecord(record.problem, record.context, record.plan.dense)
+    if call.fused is not None:
+        dq, dk, dv = run_backward(record, tensors, lambda: fused_backward(call.fused, do, q, k, v, out, lse,
+                                                                          attn_mask))[:3]
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
     def stand_in():
         p = record.problem
