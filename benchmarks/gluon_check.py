@@ -14,8 +14,9 @@ config for sm_90a and reports registers, spills and shared memory.
    on what the kernel does not cover.
 2. Timing (``triton.testing.do_bench`` medians, one run): GProj with the Gluon KV-major launch, GProj all-tl
    and cuDNN SDPA backward at the issue's shapes, each launch alone, and the KV-major launch alone with each
-   config of ``VARIANTS`` (slot release halved; D=64 tile rows and stages). Variants stop at ``--budget``
-   seconds from the start (logged as skipped) so that the call stays within its time.
+   config of ``VARIANTS`` (D=128 tiles retired first, slot release halved; D=64 tile rows and stages).
+   Variants stop at ``--budget`` seconds from the start (logged as skipped) so that the call stays within its
+   time.
 
 Writes ``gluon_check.log`` and ``gluon_check.json`` to --out (default $OUT or ./gluon_out) and prints the tables
 last, the variants' last. Needs an sm_90 GPU (except --compile-only).
@@ -47,10 +48,14 @@ T_START = time.time()
 STANDARD_PRODUCTS, GPROJ_PRODUCTS = 5, 8
 #: the paired slot release with the default's tile rows (4 slots): bitwise the default, checked on every case
 PAIRED = {d: KernelConfig(c.block_m, 4, release_pairs=True) for d, c in CONFIGS.items()}
-#: KV-major configs timed against the default (``CONFIGS``): D=128 the paired release, the same 4-slot ring
-#: releasing every tile (to tell the ring's depth from the pairing apart), and 32-row tiles paired; D=64 the
-#: 64/128-row × 2/3-stage configs (NOTES_gluon.md item 5) and both paired
-VARIANTS = {128: (PAIRED[128], KernelConfig(64, 4), KernelConfig(32, 4, release_pairs=True)),
+#: the default's tile rows and ring with each tile's products retired within it: the D=128 build whose wgmmas
+#: ptxas keeps async (the default's are serialized, C7512; NOTES_gluon.md), bitwise the same products
+RETIRED = {d: KernelConfig(c.block_m, c.num_stages, retire_tiles=True) for d, c in CONFIGS.items()}
+#: KV-major configs timed against the default (``CONFIGS``): D=128 first the retired tiles (the budget reaches
+#: it), the paired release, the same 4-slot ring releasing every tile (to tell the ring's depth from the
+#: pairing apart), and 32-row tiles paired; D=64 the 64/128-row × 2/3-stage configs (NOTES_gluon.md item 5)
+#: and both paired
+VARIANTS = {128: (RETIRED[128], PAIRED[128], KernelConfig(64, 4), KernelConfig(32, 4, release_pairs=True)),
             64: (KernelConfig(64, 3), KernelConfig(128, 2), KernelConfig(128, 3), PAIRED[64],
                  KernelConfig(128, 4, release_pairs=True))}
 
@@ -62,8 +67,8 @@ def log(*a):
 
 
 def name_of(cfg: KernelConfig) -> str:
-    """``m64s4p``: tile rows, ring slots, p when slots are released in pairs."""
-    return f"m{cfg.block_m}s{cfg.num_stages}{'p' if cfg.release_pairs else ''}"
+    """``m64s4p``: tile rows, ring slots, p when slots are released in pairs, r when tiles are retired."""
+    return f"m{cfg.block_m}s{cfg.num_stages}{'p' if cfg.release_pairs else ''}{'r' if cfg.retire_tiles else ''}"
 
 
 def _same(a, b):

@@ -92,11 +92,15 @@ SMEM_LIMIT_BYTES = 227 * 1024
 class KernelConfig:
     """Query rows of one streamed Q/dO tile, the depth of the TMA ring, and how the consumers hand slots back:
     one slot every tile, or (``release_pairs``) two slots every second tile — half the mbarrier arrives and
-    the warpgroup syncs Gluon puts around each; needs an even ring of at least 4 slots. Same numerics either
-    way (the same products in the same order: bitwise equal results)."""
+    the warpgroup syncs Gluon puts around each; needs an even ring of at least 4 slots. ``retire_tiles``: each
+    tile's dk, dv products retired within the tile (tile 0 peeled to start the accumulators, dPᵀ − D − λ formed
+    before Pᵀ) — at D=128 with 64-row tiles ptxas otherwise serializes every wgmma for want of registers (info
+    C7512, silent in Triton 3.6; ``tests/helpers/kernel_build.wgmma_serialized``). Same numerics either way
+    (the same products in the same order: bitwise equal results)."""
     block_m: int
     num_stages: int
     release_pairs: bool = False
+    retire_tiles: bool = False
 
     def __post_init__(self):
         if self.release_pairs and (self.num_stages % 2 != 0 or self.num_stages < 4):
@@ -241,7 +245,7 @@ def _launch_class(q_shape, q_strides, k_shape, kv_strides, do_strides, dkdv_stri
     scalars = dict(sdk_b=sdk[0], sdk_h=sdk[1], sdk_s=sdk[2], sdv_b=sdv[0], sdv_h=sdv[1], sdv_s=sdv[2],
                    H=H, GROUP=H // HKV, SQ=SQ, SK=SK, shift=SK - SQ if (causal and bottom_right) else 0,
                    scale=alpha, scale_log2=alpha * LOG2_E, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
-                   RELEASE_PAIRS=cfg.release_pairs)
+                   RELEASE_PAIRS=cfg.release_pairs, RETIRE_TILES=cfg.retire_tiles)
     return _LaunchClass(grid=(triton.cdiv(SK, BLOCK_N), HKV, B), tiles=tiles,
                         rows=_row_template(B * H, SQ, cfg.block_m), scalars=scalars)
 

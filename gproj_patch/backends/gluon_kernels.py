@@ -22,6 +22,11 @@ writes D, the base-2 LSE and λ of every query row to fp32 (B·H, Sq) scratch).
   tile's LSE2 read before the branch that releases, a consumer loop has 1 every second tile; the same products
   in the same order, so bitwise the same results. The two warpgroups run out of step, so one's
   exp2/elementwise phase overlaps the other's products on the tensor cores.
+  With ``RETIRE_TILES`` a tile's dk, dv products are retired within the tile (waited on after their issue),
+  tile 0 is peeled (its products start the accumulators: use_acc=False) and dPᵀ − D − λ is formed before Pᵀ:
+  at D=128 with 64-row tiles the default keeps Sᵀ, dPᵀ, dk, dv and both register operands live at once, more
+  than 240 registers, and ptxas then serializes every wgmma (info C7512, a ``WARPGROUP.DEPBAR`` after each
+  ``HGMMA``; zeros carried into the loop give C7515). Same products in the same order: bitwise the same.
 
 Masking: causal is "key j visible from query i iff j ≤ i + shift" (shift = 0 top-left, Sk − Sq bottom-right);
 only the query tiles that cross a warpgroup's diagonal, and a head's last tile when Sq is not a multiple of the
@@ -101,11 +106,12 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_desc, 
 
 
 @gluon.jit
-def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty, DK, DV,
-              sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
-              b, hk, n0, lo, m_tiles, n_tiles, SQ, SK, shift, scale, scale_log2,
-              CAUSAL: gl.constexpr, RELEASE_PAIRS: gl.constexpr, WG: gl.constexpr):
-    """dk, dv of keys [n0 + WG·KEYS_PER_WG, + KEYS_PER_WG) over every tile of the ring; stores them."""
+def _tile(k_tile, v_tile, q_s, do_s, lse2_s, delta_s, lam_s, ready, empty, dk, dv, j, offs_n, lo, m_tiles,
+          full_lo, SQ, shift, scale_log2, CAUSAL: gl.constexpr, RELEASE_PAIRS: gl.constexpr,
+          RETIRE_TILES: gl.constexpr, FIRST: gl.constexpr):
+    """Tile j of the ring: its Sᵀ, dPᵀ, then dv += low(Pᵀ)·dO and dk += low(Pᵀ∘(dPᵀ − D − λ))·Q, issued
+    async; returns (dk, dv). ``FIRST`` (the peeled tile 0 of ``RETIRE_TILES``): the products start the
+    accumulators (use_acc=False) instead of adding to zeros."""
     NUM_STAGES: gl.constexpr = q_s.shape[0]
     BLOCK_M: gl.constexpr = q_s.shape[1]
     HEAD_DIM: gl.constexpr = q_s.shape[2]
@@ -115,6 +121,79 @@ def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty,
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # per query row of an Sᵀ tile
 
+    stage = j % NUM_STAGES
+    mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
+    q_tile = q_s.index(stage)
+    do_tile = do_s.index(stage)
+    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([KEYS_PER_WG, BLOCK_M], gl.float32, st_layout),
+                       use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
+                        gl.zeros([KEYS_PER_WG, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
+    start_m = lo + (j % m_tiles) * BLOCK_M
+    if FIRST:
+        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+    else:
+        # retires this tile's Sᵀ, dPᵀ and the previous tile's dk, dv products (if still running): the previous
+        # slot is free once its per-row vectors (generic proxy) are ordered before the next TMA write (async)
+        st, dpt, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt, dk, dv))
+    if RELEASE_PAIRS:
+        # this tile's LSE2 before the release (its slot stays ours): no shared-memory access right after it
+        lse2 = lse2_s.index(stage).load(row_layout)
+        # every second tile: tiles j − 2 and j − 1 (slots 2p, 2p + 1) are done, release pair p at once —
+        # a runtime branch, so the arrive's warpgroup syncs run only there (a pred would run them always)
+        if (j % 2 == 0) & (j > 0):
+            fence_async_shared()
+            mbarrier.arrive(empty.index(((j - 1) % NUM_STAGES) // 2), count=1)
+    else:
+        fence_async_shared()
+        mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=j > 0)
+        lse2 = lse2_s.index(stage).load(row_layout)
+    if RETIRE_TILES:
+        # uᵀ = dPᵀ − D − λ (the same two subtractions in the same order) while nothing is in flight: D and λ
+        # are dead before Pᵀ and its register operand are formed
+        ut = dpt - delta_s.index(stage).load(row_layout)[None, :]
+        ut = ut - lam_s.index(stage).load(row_layout)[None, :]
+
+    pt = gl.exp2(st * scale_log2 - lse2[None, :])
+    # a runtime branch around elementwise code only: tiles across this warpgroup's causal diagonal, and
+    # the last tile of a head (rows past Sq: Sᵀ = 0 and LSE2 = 0 there, zero-filled, so P would be 1)
+    if (start_m < full_lo) | (start_m + BLOCK_M > SQ):
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        vis = offs_m[None, :] < SQ
+        if CAUSAL:
+            vis = vis & (offs_n[:, None] <= offs_m[None, :] + shift)
+        pt = gl.where(vis, pt, 0.0)
+    rt = gl.convert_layout(pt.to(dtype), a_layout)
+    dv = warpgroup_mma(rt, do_tile, dv, use_acc=not FIRST, is_async=True)
+    if RETIRE_TILES:
+        gt = pt * ut
+    else:
+        delta = delta_s.index(stage).load(row_layout)
+        lam = lam_s.index(stage).load(row_layout)
+        gt = pt * (dpt - delta[None, :] - lam[None, :])
+    gt = gl.convert_layout(gt.to(dtype), a_layout)
+    dk = warpgroup_mma(gt, q_tile, dk, use_acc=not FIRST, is_async=True)
+    if RETIRE_TILES:
+        # this tile's dk, dv retired within it: their register operands die here, so the next tile's Sᵀ, dPᵀ
+        # never share the registers with them (ptxas then keeps the wgmmas async: no C7512)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        dk = warpgroup_mma_init(dk)
+        dv = warpgroup_mma_init(dv)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty, DK, DV,
+              sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
+              b, hk, n0, lo, m_tiles, n_tiles, SQ, SK, shift, scale, scale_log2,
+              CAUSAL: gl.constexpr, RELEASE_PAIRS: gl.constexpr, RETIRE_TILES: gl.constexpr, WG: gl.constexpr):
+    """dk, dv of keys [n0 + WG·KEYS_PER_WG, + KEYS_PER_WG) over every tile of the ring; stores them."""
+    BLOCK_M: gl.constexpr = q_s.shape[1]
+    HEAD_DIM: gl.constexpr = q_s.shape[2]
+    dtype: gl.constexpr = q_s.dtype
+    st_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, BLOCK_M, CONSUMER_WARPS)
+    acc_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, HEAD_DIM, CONSUMER_WARPS)
+
     key0 = n0 + WG * KEYS_PER_WG
     offs_n = key0 + gl.arange(0, KEYS_PER_WG, layout=gl.SliceLayout(1, st_layout))
     # query tiles that start before full_lo cross this warpgroup's diagonal (some key right of some row's)
@@ -123,53 +202,22 @@ def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty,
         full_lo = gl.cdiv(gl.maximum(key0 + KEYS_PER_WG - 1 - shift, 0), BLOCK_M) * BLOCK_M
     k_tile = k_s.index(WG)
     v_tile = v_s.index(WG)
-    # accumulators carried across iterations with their products in flight
-    dk = warpgroup_mma_init(gl.zeros([KEYS_PER_WG, HEAD_DIM], gl.float32, acc_layout))
-    dv = warpgroup_mma_init(gl.zeros([KEYS_PER_WG, HEAD_DIM], gl.float32, acc_layout))
+    zero = gl.zeros([KEYS_PER_WG, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar.index(0), 0)
-
-    for j in range(0, n_tiles):
-        stage = j % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
-        q_tile = q_s.index(stage)
-        do_tile = do_s.index(stage)
-        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([KEYS_PER_WG, BLOCK_M], gl.float32, st_layout),
-                           use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
-                            gl.zeros([KEYS_PER_WG, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
-        start_m = lo + (j % m_tiles) * BLOCK_M
-        # retires this tile's Sᵀ, dPᵀ and the previous tile's dk, dv products: the previous slot is free once
-        # its per-row vectors (read below, generic proxy) are ordered before the next TMA write (async proxy)
-        st, dpt, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt, dk, dv))
-        if RELEASE_PAIRS:
-            # this tile's LSE2 before the release (its slot stays ours): no shared-memory access right after it
-            lse2 = lse2_s.index(stage).load(row_layout)
-            # every second tile: tiles j − 2 and j − 1 (slots 2p, 2p + 1) are done, release pair p at once —
-            # a runtime branch, so the arrive's warpgroup syncs run only there (a pred would run them always)
-            if (j % 2 == 0) & (j > 0):
-                fence_async_shared()
-                mbarrier.arrive(empty.index(((j - 1) % NUM_STAGES) // 2), count=1)
-        else:
-            fence_async_shared()
-            mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=j > 0)
-            lse2 = lse2_s.index(stage).load(row_layout)
-
-        pt = gl.exp2(st * scale_log2 - lse2[None, :])
-        # a runtime branch around elementwise code only: tiles across this warpgroup's causal diagonal, and
-        # the last tile of a head (rows past Sq: Sᵀ = 0 and LSE2 = 0 there, zero-filled, so P would be 1)
-        if (start_m < full_lo) | (start_m + BLOCK_M > SQ):
-            offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-            vis = offs_m[None, :] < SQ
-            if CAUSAL:
-                vis = vis & (offs_n[:, None] <= offs_m[None, :] + shift)
-            pt = gl.where(vis, pt, 0.0)
-        rt = gl.convert_layout(pt.to(dtype), a_layout)
-        dv = warpgroup_mma(rt, do_tile, dv, is_async=True)
-        delta = delta_s.index(stage).load(row_layout)
-        lam = lam_s.index(stage).load(row_layout)
-        gt = pt * (dpt - delta[None, :] - lam[None, :])
-        gt = gl.convert_layout(gt.to(dtype), a_layout)
-        dk = warpgroup_mma(gt, q_tile, dk, is_async=True)
+    if RETIRE_TILES:
+        # tile 0 peeled (n_tiles ≥ 1, ``_dkdv_kernel``): its products start dk, dv — zeros carried into the
+        # loop would make ptxas serialize every wgmma (C7515)
+        dk, dv = _tile(k_tile, v_tile, q_s, do_s, lse2_s, delta_s, lam_s, ready, empty, zero, zero, 0, offs_n,
+                       lo, m_tiles, full_lo, SQ, shift, scale_log2, CAUSAL, RELEASE_PAIRS, RETIRE_TILES, True)
+        first = 1
+    else:
+        # accumulators carried across iterations with their products in flight
+        dk = warpgroup_mma_init(zero)
+        dv = warpgroup_mma_init(zero)
+        first = 0
+    for j in range(first, n_tiles):
+        dk, dv = _tile(k_tile, v_tile, q_s, do_s, lse2_s, delta_s, lam_s, ready, empty, dk, dv, j, offs_n,
+                       lo, m_tiles, full_lo, SQ, shift, scale_log2, CAUSAL, RELEASE_PAIRS, RETIRE_TILES, False)
 
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     offs_na = key0 + gl.arange(0, KEYS_PER_WG, layout=gl.SliceLayout(1, acc_layout))
@@ -187,7 +235,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_des
                  sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
                  H, GROUP, SQ, SK, shift, scale, scale_log2,
                  CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, RELEASE_PAIRS: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 RETIRE_TILES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -211,6 +259,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_des
         lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
     lo = gl.minimum(lo, SQ)
     m_tiles = gl.cdiv(SQ - lo, BLOCK_M)
+    if RETIRE_TILES:
+        # the peeled tile 0 needs a tile: a block no query sees streams one zero-filled tile a head (rows from
+        # Sq on: P masked to 0, dPᵀ = D = λ = 0), whose products add exact zeros
+        m_tiles = gl.maximum(m_tiles, 1)
     n_tiles = m_tiles * GROUP
 
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS_PER_WG, HEAD_DIM], dtype)
@@ -236,10 +288,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_des
     gl.warp_specialize([
         (_consumer, (k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty, DK, DV,
                      sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, b, hk, n0, lo, m_tiles, n_tiles,
-                     SQ, SK, shift, scale, scale_log2, CAUSAL, RELEASE_PAIRS, 0)),
+                     SQ, SK, shift, scale, scale_log2, CAUSAL, RELEASE_PAIRS, RETIRE_TILES, 0)),
         (_consumer, (k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty, DK, DV,
                      sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, b, hk, n0, lo, m_tiles, n_tiles,
-                     SQ, SK, shift, scale, scale_log2, CAUSAL, RELEASE_PAIRS, 1)),
+                     SQ, SK, shift, scale, scale_log2, CAUSAL, RELEASE_PAIRS, RETIRE_TILES, 1)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, lam_desc, k_s, v_s, q_s, do_s,
                      lse2_s, delta_s, lam_s, kv_bar, ready, empty, b, hk, n0, lo, m_tiles, n_tiles, H, GROUP,
                      RELEASE_PAIRS)),
