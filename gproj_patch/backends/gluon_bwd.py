@@ -107,8 +107,10 @@ class KernelConfig:
             raise ValueError(f"release_pairs needs an even ring of at least 4 slots, got {self.num_stages}")
 
 
-#: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``benchmarks/gluon_check.py --compile-only``)
-CONFIGS = {64: KernelConfig(64, 2), 128: KernelConfig(64, 2)}
+#: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``benchmarks/gluon_check.py --compile-only``). D=128
+#: retires each tile's products (unserialized wgmma): its KV launch ×0.853–0.864 of the 64-row, 2-slot kernel without
+#: it at the four D=128 issue shapes, bitwise equal results (BENCHMARKS.md run 36)
+CONFIGS = {64: KernelConfig(64, 2), 128: KernelConfig(64, 2, retire_tiles=True)}
 
 
 def _tma_reason(name: str, x: torch.Tensor) -> Optional[str]:
