@@ -113,6 +113,13 @@ class KernelConfig:
 CONFIGS = {64: KernelConfig(64, 2), 128: KernelConfig(64, 2, retire_tiles=True)}
 
 
+@functools.lru_cache(maxsize=64)
+def _capability(index: Optional[int]) -> Tuple[int, int]:
+    """The compute capability of CUDA device ``index`` (a property of the hardware: bounded cache, one entry a
+    device), asked once instead of at every planned call."""
+    return torch.cuda.get_device_capability(index)
+
+
 def _tma_reason(name: str, x: torch.Tensor) -> Optional[str]:
     """None when a TMA descriptor can address ``x``; else why not."""
     if x.stride(-1) != 1:
@@ -157,7 +164,7 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
         return "B·H·Sq ≥ 2^31 (TMA coordinates are int32)"
     if q.device.type != "cuda":
         return f"device={q.device.type}"
-    cap = torch.cuda.get_device_capability(q.device)
+    cap = _capability(q.device.index)
     if cap != GLUON_CAPABILITY:
         return f"sm_{cap[0]}{cap[1]} (the gluon kernel is sm_90a)"
     for name, x in (("q", q), ("k", k), ("v", v)) + ((("do", do),) if do is not None else ()):
