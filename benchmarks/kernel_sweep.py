@@ -2,6 +2,7 @@
 config, then the best dkdv config with that dq config), for the BF16 kernels and for the FP32 tier's kernel form.
 
     python benchmarks/kernel_sweep.py [--dims 32,256] [--fp32-dims 64,128] [--deadline 300] [--out DIR]
+    python benchmarks/kernel_sweep.py --dims "" --fp32-dims "" --gluon-dims 64      # KV-major: tl vs Gluon builds
 
 ``device_check.py --sweep`` calls ``sweep`` for D = 64 and 128. Every candidate is timed (do_bench median of the
 whole backward); a candidate that fails to compile or run (shared memory, registers) is skipped with its error.
@@ -22,6 +23,7 @@ sys.path.insert(0, ROOT)
 
 from device_check import bench, make_inputs, saved_forward  # noqa: E402  (benchmarks/device_check.py)
 from gproj_patch.backends import triton_bwd  # noqa: E402
+from gproj_patch.backends.gluon_bwd import KernelConfig  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward  # noqa: E402
 
 # candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; the current default is always tried
@@ -43,6 +45,12 @@ SWEEP_FP32 = {
     128: {"dq": [(32, 32, 4, 2), (16, 16, 4, 2), (32, 16, 4, 2), (16, 32, 4, 1)],
           "dkdv": [(32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2), (16, 32, 4, 1)]},
 }
+#: KV-major launch builds timed against the tl one (``--gluon-dims``): D=64's shipped Gluon config m64s2, whose
+#: wgmmas ptxas serializes (C7512; the tl launches' are async at every shipped config), and the retired-tiles
+#: builds whose are not, 0 spills causal and dense (m128s2r spills 8 B dense) — NOTES_kernel.md, "Are the tl
+#: kernels' wgmmas serialized"
+GLUON_SWEEP = {64: (KernelConfig(64, 2), KernelConfig(64, 2, retire_tiles=True), KernelConfig(64, 3, retire_tiles=True),
+                    KernelConfig(128, 3, retire_tiles=True))}
 #: the sweep's shapes: (B, H, S) per padded head dim, causal; FP32 smaller (IEEE products are ~15× slower)
 SHAPE = {32: (4, 16, 4096), 64: (4, 16, 4096), 128: (4, 16, 4096), 256: (2, 16, 4096)}
 SHAPE_FP32 = {64: (1, 16, 4096), 128: (1, 16, 4096)}
@@ -80,12 +88,53 @@ def sweep(D, *, fp32=False, deadline=float("inf"), log=print, causal=True, kinds
     return dict(best, times=times)
 
 
+def _kv_launch(fn):
+    """Median ms of ``fn``'s KV-major launch alone (the dQ-major launch skipped: its scratch then stale, a timing)."""
+    triton_bwd._RUN = ("dkdv",)
+    try:
+        return bench(fn)
+    finally:
+        triton_bwd._RUN = ("dq", "dkdv")
+
+
+def gluon_sweep(D, *, deadline=float("inf"), log=print):
+    """The KV-major launch at head dim D (``SHAPE[D]``, causal and dense) in tl (its shipped config) and in each
+    ``GLUON_SWEEP[D]`` Gluon build; {mask: {name: ms}}, plus whether each Gluon build with the first's tile rows
+    gives dk, dv bitwise equal to it (the same products in the same order)."""
+    B, H, S = SHAPE[D]
+    q, k, v, do = make_inputs(B, H, S, D)
+    out = {}
+    for causal in (True, False):
+        o, lse = saved_forward(q, k, v, causal)
+        runs = [("tl", None)] + [(f"m{c.block_m}s{c.num_stages}{'r' * c.retire_tiles}", c) for c in GLUON_SWEEP[D]]
+        times, first = {}, None
+        for name, cfg in runs:
+            if time.time() > deadline:
+                log(f"gluon sweep D={D} causal={causal} {name}: skipped (time budget)")
+                continue
+            kw = dict(kv_major="tl") if cfg is None else dict(kv_major="gluon", _gluon_config=cfg)
+            fn = lambda kw=kw: gproj_backward(do, q, k, v, o, lse, causal=causal, **kw)  # noqa: E731
+            try:
+                dk_dv = fn()[1:3]
+                if cfg is not None and first is None:
+                    first = dk_dv
+                elif cfg is not None and cfg.block_m == GLUON_SWEEP[D][0].block_m:  # same tiles: same products
+                    times[f"{name}_bitwise"] = all(torch.equal(a, b) for a, b in zip(dk_dv, first))
+                times[name] = _kv_launch(fn)
+                log(f"gluon sweep D={D} causal={causal} {name}: KV launch {times[name]:.3f} ms")
+            except Exception as e:
+                log(f"gluon sweep D={D} causal={causal} {name} failed: {type(e).__name__}: {str(e)[:200]}")
+        out["causal" if causal else "dense"] = times
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="32,256")
     ap.add_argument("--fp32-dims", default="64,128")
     ap.add_argument("--deadline", type=float, default=300.0)
     ap.add_argument("--kinds", default="dq,dkdv", help="which kernels to sweep (the other keeps its default)")
+    ap.add_argument("--gluon-dims", default="", help="also time the KV-major launch: tl vs GLUON_SWEEP's builds")
     ap.add_argument("--out", default=os.environ.get("OUT", "sweep_out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -95,12 +144,20 @@ def main():
     for D, fp32 in jobs:
         result[f"{'fp32' if fp32 else 'low'}_{D}"] = sweep(D, fp32=fp32, deadline=end,
                                                            kinds=tuple(args.kinds.split(",")))
+    for D in (int(d) for d in args.gluon_dims.split(",") if d):
+        result[f"gluon_{D}"] = gluon_sweep(D, deadline=end)
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print("\nchosen:")
+    chosen = {key: r for key, r in result.items() if isinstance(r, dict) and "dq" in r}
+    print("\nchosen:" if chosen else "")
+    for key, r in chosen.items():
+        print(f"  {key}: dq {r['dq']} dkdv {r['dkdv']}")
     for key, r in result.items():
-        if isinstance(r, dict):
-            print(f"  {key}: dq {r['dq']} dkdv {r['dkdv']}")
+        for mask, times in (r.items() if key.startswith("gluon_") else ()):
+            tl = times.get("tl", float("nan"))
+            print(f"  {key} {mask} KV launch ms (× tl): " + "  ".join(
+                f"{n} {t:.3f} (×{t / tl:.3f}{'' if times.get(n + '_bitwise', True) else ', NOT BITWISE'})"
+                for n, t in times.items() if not n.endswith("_bitwise")))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,11 @@ under some flag set, dq at D = 128 and 256, most of the fp32 table; the H200's c
 16 spills in the D = 128 dq kernel); the Gluon kernel spills nothing. ``--quick`` compiles only the default
 flag set of each shipped config.
 
+``--wgmma`` (with ``--dims``, ``--flags default``, ``--candidates``, ``--json``) also reports how the dots were
+lowered and scheduled (``tests/helpers/kernel_build.mma_report``: HGMMA/HMMA counts, wgmma serialized read from
+the SASS and from ptxas' own C75xx log) and prints a table last; no shipped tl config is serialized, the Gluon
+kernel's D=64 default is (NOTES_kernel.md; tests/kernels/test_tl_build.py runs it).
+
 PTX, not SASS, is the thing to compare: ptxas is not deterministic run to run on some of these kernels (the
 fp32 dq kernels: same PTX, different SASS on a second compile), and the ``.loc`` line info it receives can
 move its scheduling and register choice by a little (one register on D = 256's uncorrected dkdv).
@@ -30,6 +35,7 @@ move its scheduling and register choice by a little (one register on D = 256's u
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -41,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from tests.helpers.kernel_build import cubin_resources  # noqa: E402,F401  (also gluon_check's)
+from tests.helpers.kernel_build import cubin_resources, mma_report  # noqa: E402,F401  (also gluon_check's)
 
 #: the compile target: sm_90a (the H200), warp size 32
 TARGET_ARCH = 90
@@ -75,6 +81,9 @@ VARIANTS = (
     Variant("sink_causal", causal=True, sink=True),
     Variant("uncorrected", correct=False),
 )
+#: the default flag set of a call (corrected, fused dk form, no softcap/window/sink), dense and causal: what
+#: ``--flags default`` compiles (``--wgmma``'s survey and tests/kernels/test_tl_build.py)
+DEFAULT_FLAG_SETS = (Variant("dense"), Variant("causal", causal=True))
 #: flag sets of the fp32 table (the FP32 tier's kernel form, 3×TF32 products)
 VARIANTS_FP32 = (
     Variant("fp32_dense", dtype=torch.float32),
@@ -179,30 +188,54 @@ class Entry:
     fn: object
     args: tuple
     kwargs: dict
+    config: str = ""  # the block config, for ``--wgmma``'s table: 64x32x4x3 (tl), m64s2r (Gluon)
 
 
-def tl_entries(quick: bool = False, head_dims: Optional[Tuple[int, ...]] = None) -> List[Entry]:
+def tl_entries(quick: bool = False, head_dims: Optional[Tuple[int, ...]] = None,
+               variants: Optional[Tuple[Variant, ...]] = None) -> List[Entry]:
     """Both tl launches of every shipped config (``triton_bwd.CONFIGS`` and ``CONFIGS_FP32``, per padded head
     dim) under every flag set of ``VARIANTS`` / ``VARIANTS_FP32`` (``quick``: the first of each only), plus a
     head dim that is not a power of two (EVEN_D false). Arguments from ``triton_launch.kernel_arguments``, the
-    launch's own builder."""
-    from gproj_patch.backends import triton_bwd, triton_launch
-    km = triton_bwd.kernel_module(False)
+    launch's own builder. ``variants``: these flag sets of the bf16 table only (no fp32 table, no D = 96)."""
+    from gproj_patch.backends import triton_bwd
     dims = sorted(triton_bwd.CONFIGS["dq"]) if head_dims is None else head_dims
     jobs = []
-    for table_fp32, variants in ((False, VARIANTS), (True, VARIANTS_FP32)):
+    tables = ((False, VARIANTS), (True, VARIANTS_FP32)) if variants is None else ((False, variants),)
+    for table_fp32, flag_sets in tables:
         for d in dims:
-            for v in variants[:1] if quick else variants:
+            for v in flag_sets[:1] if quick else flag_sets:
                 jobs.append((f"d{d}_{v.name}", v, d, table_fp32))
-    if not quick and head_dims is None:
+    if not quick and head_dims is None and variants is None:
         jobs.append(("d96_dense", VARIANTS[0], 96, False))
     entries = []
     for tag, v, d, table_fp32 in jobs:
-        job = _job(v, d, table_fp32)
-        scratch = triton_launch.allocate_scratch(job)
-        for kind, kname in triton_launch.KERNELS.items():
-            kwargs = triton_launch.kernel_arguments(kind, job, scratch, block_d=triton_bwd.block_d(d))
-            entries.append(Entry(f"{kname}_{tag}", getattr(km, kname), (), kwargs))
+        entries += _launch_entries(_job(v, d, table_fp32), d, tag)
+    return entries
+
+
+def _launch_entries(job, head_dim: int, tag: str, kinds=("dq", "dkdv")) -> List[Entry]:
+    """An ``Entry`` per launch ``kinds`` of ``job`` (``triton_launch.kernel_arguments``), named kernel_tag."""
+    from gproj_patch.backends import triton_bwd, triton_launch
+    km = triton_bwd.kernel_module(False)
+    scratch = triton_launch.allocate_scratch(job)
+    return [Entry(f"{triton_launch.KERNELS[kind]}_{tag}", getattr(km, triton_launch.KERNELS[kind]), (),
+                  triton_launch.kernel_arguments(kind, job, scratch, block_d=triton_bwd.block_d(head_dim)),
+                  "x".join(map(str, getattr(job, f"cfg_{kind}"))))
+            for kind in kinds]
+
+
+def config_entries(candidates: dict, variants: Tuple[Variant, ...] = DEFAULT_FLAG_SETS) -> List[Entry]:
+    """The bf16 tl launch of each candidate block config, ``{head_dim: {"dq"|"dkdv": [(BLOCK_M, BLOCK_N,
+    num_warps, num_stages), ...]}}`` (kernel_sweep.SWEEP's form), under each flag set of ``variants``; named
+    kernel_d{D}_{flags}_m{M}n{N}w{W}s{S}. The other launch keeps its shipped config (it is not compiled)."""
+    entries = []
+    for d, kinds in sorted(candidates.items()):
+        for kind, cfgs in kinds.items():
+            for cfg in cfgs:
+                for v in variants:
+                    job = replace(_job(v, d, False), **{f"cfg_{kind}": tuple(cfg)})
+                    entries += _launch_entries(job, d, f"d{d}_{v.name}_m{cfg[0]}n{cfg[1]}w{cfg[2]}s{cfg[3]}",
+                                               kinds=(kind,))
     return entries
 
 
@@ -240,14 +273,16 @@ def gluon_entries() -> List[Entry]:
             kwargs = gluon_bwd.dkdv_arguments(replace(job, kv_major="gluon"), f, f, f, cfg)
             kwargs.update(num_warps=gluon_bwd.NUM_WARPS, maxnreg=gluon_bwd.MAXNREG)
             entries.append(Entry(f"_dkdv_kernel_gluon_d{d}_{'causal' if causal else 'dense'}",
-                                 gluon_kernels._dkdv_kernel, (), kwargs))
+                                 gluon_kernels._dkdv_kernel, (), kwargs,
+                                 f"m{cfg.block_m}s{cfg.num_stages}{'p' * cfg.release_pairs}{'r' * cfg.retire_tiles}"))
     return entries
 
 
 def snapshot(entries: List[Entry], out: Optional[str], spills: bool,
-             log: Callable[[str], None] = print) -> List[dict]:
+             log: Callable[[str], None] = print, wgmma: bool = False) -> List[dict]:
     """Compile every entry; write ``<name>.ptx`` (line info stripped) under ``out`` when given; one row each
-    (name, seconds, and with ``spills`` registers and stack bytes)."""
+    (name, seconds, and with ``spills`` registers and stack bytes; with ``wgmma`` also
+    ``kernel_build.mma_report``'s lowering and wgmma serialization)."""
     if out:
         os.makedirs(out, exist_ok=True)
     rows = []
@@ -263,32 +298,71 @@ def snapshot(entries: List[Entry], out: Optional[str], spills: bool,
         if out:
             with open(os.path.join(out, f"{e.name}.ptx"), "w") as fh:
                 fh.write(strip_line_info(kernel.asm["ptx"]))
-        if spills:
+        if spills or wgmma:
             row.update(cubin_resources(kernel))
+        if wgmma:
+            row["config"] = e.config
+            row.update(mma_report(kernel))
         row["seconds"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
         log(str(row))
     return rows
 
 
+def wgmma_table(rows: List[dict]) -> str:
+    """One line per compiled kernel: config, registers, stack bytes, HGMMA/HMMA/DEPBAR counts, serialized (SASS /
+    ptxas' word), ptxas' C75xx codes."""
+    lines = [f"{'kernel':52s} {'config':11s} {'regs':>4s} {'stack':>5s} {'hgmma':>5s} {'hmma':>4s} {'depbar':>6s} "
+             f"{'serialized':>11s} C75xx"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['name']:52s} ERROR {r['error'][:80]}")
+            continue
+        ser = f"{'yes' if r['serialized'] else 'no'}/{'yes' if r['ptxas_serialized'] else 'no'}"
+        lines.append(f"{r['name']:52s} {r['config']:11s} {r['regs']:4d} {r['stack']:5d} {r['hgmma']:5d} {r['hmma']:4d} "
+                     f"{r['depbar']:6d} {ser:>11s} {','.join(r['c75']) or '-'}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="directory for the stripped PTX files")
     ap.add_argument("--spills", action="store_true", help="also report registers / stack bytes (ptxas)")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="also registers, stack and the dots' lowering: HGMMA/HMMA counts, wgmma serialized "
+                         "(SASS DEPBAR per HGMMA) and ptxas' C75xx info; prints a table last")
     ap.add_argument("--quick", action="store_true", help="only the default flag set of each shipped config")
     ap.add_argument("--only", default="tl,lse,gluon", help="comma-separated: tl, lse, gluon")
+    ap.add_argument("--dims", default="", help="tl head dims (comma-separated; default: every shipped one)")
+    ap.add_argument("--flags", choices=("all", "default"), default="all",
+                    help="tl flag sets: all (VARIANTS, VARIANTS_FP32) or default (DEFAULT_FLAG_SETS: bf16 dense, "
+                         "causal)")
+    ap.add_argument("--candidates", action="store_true",
+                    help="tl: also every kernel_sweep.SWEEP candidate at --dims (default flag sets)")
+    ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: this script compiles for sm_90a")
         return 2
     parts = set(args.only.split(","))
-    entries = (tl_entries(args.quick) if "tl" in parts else []) + (lse_entries() if "lse" in parts else []) + \
-        (gluon_entries() if "gluon" in parts else [])
-    rows = snapshot(entries, args.out, args.spills)
+    dims = tuple(int(d) for d in args.dims.split(",") if d) or None
+    flag_sets = DEFAULT_FLAG_SETS if args.flags == "default" else None
+    entries = tl_entries(args.quick, dims, flag_sets) if "tl" in parts else []
+    if "tl" in parts and args.candidates:
+        from kernel_sweep import SWEEP  # benchmarks/kernel_sweep.py: the configs the device sweep times
+        entries += config_entries({d: SWEEP[d] for d in (dims or (64, 128))})
+    entries += (lse_entries() if "lse" in parts else []) + (gluon_entries() if "gluon" in parts else [])
+    rows = snapshot(entries, args.out, args.spills, wgmma=args.wgmma)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
     errors = [r for r in rows if "error" in r]
     spilling = [r for r in rows if r.get("stack", 0) > 0]
+    if args.wgmma:
+        print(wgmma_table(rows))
     print(f"{len(rows) - len(errors)} kernels compiled, {len(errors)} errors"
-          + (f", {len(spilling)} with stack bytes (spills)" if args.spills else ""))
+          + (f", {len(spilling)} with stack bytes (spills)" if args.spills or args.wgmma else "")
+          + (f", {sum(bool(r.get('serialized')) for r in rows)} with serialized wgmma" if args.wgmma else ""))
     return 1 if errors else 0
 
 

@@ -1,10 +1,11 @@
 """Kernel build inspection on a GPU-less machine: compile for sm_90a with Triton's own ptxas and read the
 registers, stack (spills) and shared memory. Used by the kernel tests (``tests/kernels/test_kv_major.py``) and
-by ``benchmarks/gluon_check.py --compile-only`` / ``benchmarks/ptx_snapshot.py --spills``."""
+by ``benchmarks/gluon_check.py --compile-only`` / ``benchmarks/ptx_snapshot.py --spills`` / ``--wgmma``."""
 import os
+import re
 import subprocess
 import tempfile
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
@@ -12,30 +13,69 @@ from gproj_patch.backends import gluon_bwd
 from gproj_patch.backends.gluon_bwd import KernelConfig
 
 
-def cubin_resources(kernel) -> Dict[str, int]:
-    """Registers and stack bytes a thread (spills) of a compiled kernel, from Triton's own ptxas/cuobjdump."""
+def _nvidia_tool(name: str) -> str:
+    """The path of one of Triton's own CUDA tools (ptxas, cuobjdump)."""
     import triton
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _cuobjdump(kernel, flag: str) -> str:
+    """``cuobjdump <flag>`` of a compiled kernel's cubin (Triton's own cuobjdump)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
         tmp.write(kernel.asm["cubin"])
         tmp.flush()
-        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", tmp.name],
-                             capture_output=True, text=True).stdout
+        return subprocess.run([_nvidia_tool("cuobjdump"), flag, tmp.name], capture_output=True, text=True).stdout
+
+
+def cubin_resources(kernel) -> Dict[str, int]:
+    """Registers and stack bytes a thread (spills) of a compiled kernel, from Triton's own ptxas/cuobjdump."""
+    res = _cuobjdump(kernel, "-res-usage")
     usage = next((ln.strip() for ln in res.splitlines() if "REG:" in ln), "")
     fields = dict(part.split(":", 1) for part in usage.split() if ":" in part)
     return dict(regs=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)))
 
 
+def _serialized_sass(sass: str) -> bool:
+    """A ``WARPGROUP.DEPBAR`` for every ``HGMMA`` of the SASS: ptxas serialized the wgmmas."""
+    return sass.count("WARPGROUP.DEPBAR") >= sass.count("HGMMA") > 0
+
+
 def wgmma_serialized(kernel) -> bool:
     """True when ptxas serialized the kernel's wgmmas (a ``WARPGROUP.DEPBAR`` after every ``HGMMA``: its info
     C7511/C7512/C7515, which Triton does not surface), read from the SASS with Triton's own cuobjdump."""
-    import triton
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
-        tmp.write(kernel.asm["cubin"])
-        tmp.flush()
-        sass = subprocess.run([cuobjdump, "-sass", tmp.name], capture_output=True, text=True).stdout
-    return sass.count("WARPGROUP.DEPBAR") >= sass.count("HGMMA") > 0
+    return _serialized_sass(_cuobjdump(kernel, "-sass"))
+
+
+#: ptxas' C75xx info codes about wgmma (C7510–C7515: "wgmma.mma_async instructions are serialized due to ...")
+_SERIALIZED_INFO = re.compile(r"\bC75\d\d\b")
+
+
+def ptxas_wgmma_info(kernel) -> List[str]:
+    """ptxas' own C75xx info lines about the kernel's wgmmas (serialized, and why), from Triton's ptxas re-run on
+    the kernel's PTX the way Triton runs it (``-lineinfo -v --gpu-name=sm_XXa``; Triton 3.6 drops this log):
+    a second, independent witness of what ``wgmma_serialized`` reads from the SASS."""
+    arch = kernel.asm["ptx"].split(".target", 1)[1].split()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as fh:
+            fh.write(kernel.asm["ptx"])
+        run = subprocess.run([_nvidia_tool("ptxas"), "-lineinfo", "-v", f"--gpu-name={arch}", src, "-o",
+                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    return [ln.strip() for ln in (run.stdout + run.stderr).splitlines() if _SERIALIZED_INFO.search(ln)]
+
+
+def mma_report(kernel) -> Dict[str, object]:
+    """How a kernel's dots were lowered and scheduled, from its SASS and ptxas' log: ``hgmma`` (wgmma, sm_90's
+    warpgroup MMA) and ``hmma`` (mma.sync) instruction counts, ``depbar`` (``WARPGROUP.DEPBAR`` waits),
+    ``serialized`` (``wgmma_serialized``'s reading of the SASS), ``ptxas_serialized`` (ptxas said so: a C75xx
+    line "... wgmma.mma_async instructions are serialized ...") and ``c75`` (the C75xx codes ptxas printed, e.g.
+    C7519, an injected ``warpgroup.arrive``, which serializes nothing)."""
+    sass = _cuobjdump(kernel, "-sass")
+    info = ptxas_wgmma_info(kernel)
+    return dict(hgmma=sass.count("HGMMA"), hmma=len(re.findall(r"\bHMMA\.", sass)),
+                depbar=sass.count("WARPGROUP.DEPBAR"), serialized=_serialized_sass(sass),
+                ptxas_serialized=any("serialized" in ln for ln in info),
+                c75=sorted({m.group(0) for m in map(_SERIALIZED_INFO.search, info) if m}))
 
 
 def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2, 3), release_pairs=(False,),
