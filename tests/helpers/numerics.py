@@ -1,4 +1,6 @@
-"""The error measure and layout conversions shared by the numerical tests."""
+"""The error measure, layout conversions and input draws shared by the numerical tests."""
+import math
+
 import torch
 
 
@@ -27,3 +29,16 @@ def kernel_inputs(B, H, HKV, SQ, SK, D, *, offset=0.0, seed=0, dtype=torch.float
     v = torch.randn(B, HKV, SK, D, generator=g, dtype=torch.float64)
     do = torch.randn(B, H, SQ, D, generator=g, dtype=torch.float64)
     return tuple(x.to(dtype) for x in (q, k, v, do))
+
+
+def offset_along_direction(q: torch.Tensor, k: torch.Tensor, offset: float, gen: torch.Generator, *,
+                           orthogonal: bool = False):
+    """(q, k) with every key moved by ``offset``σ per coordinate (a shift of norm offset·√D) along a random unit
+    direction u, the next draw of ``gen``; ``orthogonal`` first removes u from the queries, so the scores (and a
+    sink's weight) do not see the shift and only the gradients carry it. fp64 in, fp64 out."""
+    D = q.shape[-1]
+    u = torch.randn(D, generator=gen, dtype=torch.float64)
+    u = u / u.norm()
+    if orthogonal:
+        q = q - (q @ u)[..., None] * u
+    return q, k + offset * math.sqrt(D) * u

@@ -25,7 +25,7 @@ from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.integrations import fa_records
 
 from tests.helpers import fa4_standin
-from tests.helpers.numerics import rel as _rel
+from tests.helpers.numerics import offset_along_direction, rel as _rel
 
 BOUND = 5e-3          # corrected BF16 gradients (and dsink) against fp64: the issue's 0.5%
 FAR = 10.0            # the original (uncorrected) dq: at least this many times the corrected error
@@ -93,11 +93,7 @@ def inputs(*, orthogonal, seed=0, sink_dtype=torch.float32, device="cpu"):
     weights, alone and only the gradients carry it), else the offset also moves rows towards/away from the sink."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64) for h in (H, HKV, HKV, H))
-    u = torch.randn(D, generator=g, dtype=torch.float64)
-    u = u / u.norm()
-    if orthogonal:
-        q = q - (q @ u)[..., None] * u
-    k = k + KEY_OFFSET_SIGMA * math.sqrt(D) * u
+    q, k = offset_along_direction(q, k, KEY_OFFSET_SIGMA, g, orthogonal=orthogonal)
     sink = torch.tensor([math.log(S) + SINK_LEVELS[h % len(SINK_LEVELS)] for h in range(H)], dtype=sink_dtype)
     return tuple(_bhsd(t.bfloat16()).contiguous().to(device) for t in (q, k, v, do)) + (sink.to(device),)
 

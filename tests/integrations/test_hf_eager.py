@@ -30,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.t5 import modeling_t5  # noqa: E402
-from tests.helpers.numerics import rel  # noqa: E402
+from tests.helpers.numerics import offset_along_direction, rel  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 
 OFFSET = 128.0                                   # common key offset in σ
@@ -68,11 +68,7 @@ def make(dtype, *, seed=0, offset=OFFSET, orthogonal=False):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64)
-    u = torch.randn(D, generator=g, dtype=torch.float64)
-    u = u / u.norm()
-    if orthogonal:
-        q = q - (q @ u)[..., None] * u
-    k = k + offset * math.sqrt(D) * u
+    q, k = offset_along_direction(q, k, offset, g, orthogonal=orthogonal)
     v = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64)
     do = torch.randn(B, S, H, D, generator=g, dtype=torch.float64)   # eager's output layout (B, S, H, D)
     q, k, v = (x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v))

@@ -27,7 +27,7 @@ from transformers.models.gemma2 import modeling_gemma2  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 
 from gproj_patch.integrations.transformers import gproj_attention_forward  # noqa: E402
-from tests.helpers.numerics import rel  # noqa: E402
+from tests.helpers.numerics import offset_along_direction, rel  # noqa: E402
 
 B, H, HKV, S, D = 2, 4, 2, 48, 32
 OFFSET = 128.0
@@ -47,10 +47,7 @@ def make(dtype, *, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64)
-    u = torch.randn(D, generator=g, dtype=torch.float64)
-    u = u / u.norm()
-    q = q - (q @ u)[..., None] * u
-    k = k + OFFSET * math.sqrt(D) * u
+    q, k = offset_along_direction(q, k, OFFSET, g, orthogonal=True)
     v = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64)
     do = torch.randn(B, S, H, D, generator=g, dtype=torch.float64)
     sink = torch.tensor([math.log(S) + lvl for lvl in SINK_LEVELS])

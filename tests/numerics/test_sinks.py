@@ -37,7 +37,7 @@ from gproj_patch.backends.fp32_tier import fp32_backward, fp32_forward
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.spec import SINK_SOFTCAP_REASON
 from gproj_patch.audit.cases import witness_parameters
-from tests.helpers.numerics import rel
+from tests.helpers.numerics import offset_along_direction, rel
 
 #: sink logit minus log(Sk) per head (cycled): P_sink ≈ 0, ~1/2, ~0.95, ~1 on rows the offset does not move
 SINK_LEVELS = (-20.0, 0.0, 3.0, 8.0)
@@ -59,11 +59,7 @@ def make(B, H, HKV, SQ, SK, D, *, offset=0.0, orthogonal=False, seed=0, dtype=to
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, SQ, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, HKV, SK, D, generator=g, dtype=torch.float64)
-    u = torch.randn(D, generator=g, dtype=torch.float64)
-    u = u / u.norm()
-    if orthogonal:
-        q = q - (q @ u)[..., None] * u
-    k = k + offset * math.sqrt(D) * u
+    q, k = offset_along_direction(q, k, offset, g, orthogonal=orthogonal)
     v = torch.randn(B, HKV, SK, D, generator=g, dtype=torch.float64)
     do = torch.randn(B, H, SQ, D, generator=g, dtype=torch.float64)
     sink = torch.tensor([math.log(SK) + SINK_LEVELS[h % len(SINK_LEVELS)] for h in range(H)])
