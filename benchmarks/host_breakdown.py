@@ -126,30 +126,25 @@ def engine_rows(q, do, n, reps):
     """What running Python in the autograd engine's device thread costs: a Function whose backward returns the
     gradient as it is, and one whose backward runs the same Python work (a loop of small objects) as on the main
     thread."""
-    class Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
     def busy():
         acc = 0
         for i in range(2000):
             acc += len({"a": i, "b": (i, i)})
         return acc
 
-    class Busy(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
+    def passing(work):
+        """A Function whose forward is a view and whose backward runs ``work()`` and returns the gradient."""
+        class Passing(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
 
-        @staticmethod
-        def backward(ctx, g):
-            busy()
-            return g
+            @staticmethod
+            def backward(ctx, g):
+                work()
+                return g
+        return Passing
+    Identity, Busy = passing(lambda: None), passing(busy)
     rows = {"identity Function fwd+bwd": per_call_us(lambda: Identity.apply(q).backward(do), n, reps),
             "busy Function fwd+bwd": per_call_us(lambda: Busy.apply(q).backward(do), n, reps),
             "busy() on the main thread": per_call_us(busy, n, reps)}

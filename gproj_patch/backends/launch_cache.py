@@ -93,8 +93,8 @@ class LaunchCache:
         ``key`` when there is one, else ``fn[grid](**arguments())`` recorded under ``key``. ``tensors()`` gives
         the call's tensor arguments by parameter name, ``arguments()`` every keyword argument (tensors included;
         only called on a miss). ``key`` None: Triton's own path, nothing recorded. Returns the compiled kernel."""
-        device = None
-        if key is not None and not launch_hooks_set():
+        replayable = key is not None and not launch_hooks_set()
+        if replayable:
             entry = self.get(key)
             if entry is not None:
                 ts = tensors()
@@ -104,7 +104,7 @@ class LaunchCache:
                     return entry.kernel
         args = arguments()
         kernel = fn[grid](**args)
-        if key is not None and not launch_hooks_set():
+        if replayable:
             self.misses += 1
             entry = _prepare(fn, kernel, grid, args)
             if entry is not None:
