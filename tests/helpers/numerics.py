@@ -3,6 +3,8 @@ import math
 
 import torch
 
+from gproj_patch.backends.reference import reference_forward
+
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     """Relative error ‖got − want‖ / ‖want‖ in fp64 (Frobenius norm over all elements); where the reference is
@@ -12,6 +14,13 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     if norm > 0:
         return float((got - want).norm() / norm)
     return float((got - want).abs().max())
+
+
+def saved_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **mask):
+    """(O, LSE) as a low-precision fused forward saves them: the fp64 oracle's output rounded to q's dtype and its
+    natural-log LSE in fp32 (``mask``: the oracle's keywords, a learnable ``sink`` included)."""
+    o, lse = reference_forward(q, k, v, **mask)
+    return o.to(q.dtype), lse.float()
 
 
 def bhsd(t: torch.Tensor, varlen: bool = False) -> torch.Tensor:

@@ -30,12 +30,12 @@ triton = pytest.importorskip("triton")
 import gproj_patch  # noqa: E402
 from gproj_patch.dispatch import plan, router  # noqa: E402,F401
 from gproj_patch.backends import fp32_tier, triton_bwd  # noqa: E402
-from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
+from gproj_patch.backends.reference import reference_backward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward, kernel_unsupported_reason  # noqa: E402
 from gproj_patch.audit.cases import get_case  # noqa: E402
 from gproj_patch.dispatch.record import Problem  # noqa: E402
 from tests.helpers.launch_mismatch import dk_mismatch_term, dp_launch_mismatch  # noqa: E402
-from tests.helpers.numerics import rel  # noqa: E402
+from tests.helpers.numerics import rel, saved_forward  # noqa: E402
 
 #: relative error bound against fp64 (the chunked FP32 tier is held to 1e-3 in tests/numerics/test_fp32_tier.py)
 FP32_KERNEL_BOUND = 1e-4
@@ -49,12 +49,6 @@ CASES = ["key_offset_128", "key_offset_512", "sink_offset_64", "repeated_max", "
 def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(triton_bwd, "_POISON_OUTPUTS", True)
-
-
-def saved_forward(q, k, v, **mask):
-    """(O rounded to q's dtype, fp32 LSE): what a low-precision fused forward saves."""
-    o, lse = reference_forward(q, k, v, **mask)
-    return o.to(q.dtype), lse.float()
 
 
 def fp32_kernel(q, k, v, do, o, lse, **kw):

@@ -15,7 +15,7 @@ from gproj_patch.backends import triton_bwd, triton_lse  # noqa: E402
 from gproj_patch.backends.emulation import emulated_backward  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from gproj_patch.backends.triton_bwd import gproj_backward, kernel_unsupported_reason  # noqa: E402
-from tests.helpers.numerics import kernel_inputs as make, rel  # noqa: E402
+from tests.helpers.numerics import kernel_inputs as make, rel, saved_forward  # noqa: E402
 
 TIGHT = 3e-4   # kernel vs FP16 emulation (both rounded to fp16 at the end)
 LOOSE = 1.5e-3  # GProj kernel vs fp64
@@ -27,14 +27,9 @@ def _interpret(monkeypatch):
     monkeypatch.setattr(triton_bwd, "_POISON_OUTPUTS", True)
 
 
-def forward(q, k, v, **mask):
-    o, lse = reference_forward(q, k, v, **mask)
-    return o.to(q.dtype), lse.float()
-
-
 def check(q, k, v, do, *, forms=("two_product",), uncorrected=False, lse_view=None, **mask):
     """Run the kernel; compare with the emulation (tight) and fp64 (loose). Returns the kernel grads."""
-    o, lse = forward(q, k, v, **mask)
+    o, lse = saved_forward(q, k, v, **mask)
     ref = reference_backward(q, k, v, do, **mask)
     out = None
     for form in forms:
@@ -62,7 +57,7 @@ def test_dense_both_dk_forms_and_uncorrected():
 
 def test_offset_projection_beats_uncorrected():
     q, k, v, do = make(1, 2, 2, 48, 48, 64, offset=32.0, seed=1)
-    o, lse = forward(q, k, v)
+    o, lse = saved_forward(q, k, v)
     ref = reference_backward(q, k, v, do)
     dq = gproj_backward(do, q, k, v, o, lse)[0]
     dq0 = gproj_backward(do, q, k, v, o, lse, correct=False)[0]
@@ -102,7 +97,7 @@ def test_varlen_with_empty_sequences():
     dq, dk, dv = check(q, k, v, do, **mask)
     assert (dk[:, :, 9:13] == 0).all() and (dv[:, :, 9:13] == 0).all()  # keys of a sequence with no query
     # the same through max_seqlen (no sync) and with a packed tail past the last sequence
-    o, lse = forward(q, k, v, **mask)
+    o, lse = saved_forward(q, k, v, **mask)
     # FA2/FA3 varlen LSE layout (H, total)
     g2 = gproj_backward(do, q, k, v, o, lse[0], max_seqlen_q=19, max_seqlen_k=21, dk_form="two_product", **mask)
     assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), g2))
@@ -141,7 +136,7 @@ def test_softcap(cap):
 
 def test_fully_masked_rows_get_zero_gradients():
     q, k, v, do = make(1, 1, 1, 8, 8, 32, seed=10)
-    o, lse = forward(q, k, v, window=(0, 0))
+    o, lse = saved_forward(q, k, v, window=(0, 0))
     lse[..., 3] = float("-inf")
     o[..., 3, :] = 0
     dq, dk, dv = gproj_backward(do, q, k, v, o, lse, window=(0, 0))
@@ -160,7 +155,7 @@ def test_four_key_witness_fp16():
     v[0, 0, 0, 0], v[0, 0, 0, 1], v[0, 0, 1, 0], v[0, 0, 2, 1] = 4.0, 4 * eps, -4.0, -4 * eps
     do = torch.zeros(1, 1, 1, D, dtype=torch.float16)
     do[..., :2] = 1.0
-    o, lse = forward(q, k, v)
+    o, lse = saved_forward(q, k, v)
     assert (o == 0).all()
     for form in ("two_product", "fused"):
         dq, dk, dv = gproj_backward(do, q, k, v, o, lse, dk_form=form)
@@ -171,7 +166,7 @@ def test_four_key_witness_fp16():
 
 def test_deterministic_and_scale():
     q, k, v, do = make(1, 4, 2, 30, 30, 32, offset=8.0, seed=11)
-    o, lse = forward(q, k, v, scale=0.3)
+    o, lse = saved_forward(q, k, v, scale=0.3)
     a = gproj_backward(do, q, k, v, o, lse, scale=0.3, deterministic=True)
     b = gproj_backward(do, q, k, v, o, lse, scale=0.3, deterministic=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -37,7 +37,7 @@ from gproj_patch.backends.fp32_tier import fp32_backward, fp32_forward
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.spec import SINK_SOFTCAP_REASON
 from gproj_patch.audit.cases import witness_parameters
-from tests.helpers.numerics import offset_along_direction, rel
+from tests.helpers.numerics import offset_along_direction, rel, saved_forward
 
 #: sink logit minus log(Sk) per head (cycled): P_sink ≈ 0, ~1/2, ~0.95, ~1 on rows the offset does not move
 SINK_LEVELS = (-20.0, 0.0, 3.0, 8.0)
@@ -64,12 +64,6 @@ def make(B, H, HKV, SQ, SK, D, *, offset=0.0, orthogonal=False, seed=0, dtype=to
     do = torch.randn(B, H, SQ, D, generator=g, dtype=torch.float64)
     sink = torch.tensor([math.log(SK) + SINK_LEVELS[h % len(SINK_LEVELS)] for h in range(H)])
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v, do)) + (sink.to(device),)
-
-
-def saved_forward(q, k, v, sink, **mask):
-    """The forward a fused kernel would save: O rounded to the input dtype, the LSE (with the sink) fp32."""
-    o, lse = reference_forward(q, k, v, sink=sink, **mask)
-    return o.to(q.dtype), lse.float()
 
 
 # ---- the oracle ---------------------------------------------------------------------------------------------
@@ -152,7 +146,7 @@ def test_oracle_attn_mask_varlen_and_zero_weight_sink():
 def test_emulation_key_offset(offset, dtype):
     q, k, v, do, sink = make(1, 4, 2, 64, 64, 32, offset=offset, seed=3, dtype=dtype)
     mask = dict(causal=True)
-    o, lse = saved_forward(q, k, v, sink, **mask)
+    o, lse = saved_forward(q, k, v, sink=sink, **mask)
     ref = reference_backward(q, k, v, do, sink=sink, **mask)
     stats = {}
     gp = emulated_backward(q, k, v, o, do, lse, fmt=FMT[dtype], sink=sink, stats=stats, **mask)
@@ -169,7 +163,7 @@ def test_emulation_key_offset(offset, dtype):
 def test_emulation_sharp_sink_per_head(dtype):
     """Offset 128σ that the queries cannot see; heads from no sink to P_sink ≈ 1 (SINK_LEVELS)."""
     q, k, v, do, sink = make(1, 4, 2, 64, 64, 32, offset=128.0, orthogonal=True, seed=4, dtype=dtype)
-    o, lse = saved_forward(q, k, v, sink)
+    o, lse = saved_forward(q, k, v, sink=sink)
     psink = torch.exp(sink.view(1, -1, 1) - lse).mean(dim=(0, 2))
     assert psink[0] < 1e-6 and psink[3] > 0.99  # graded as intended
     ref = reference_backward(q, k, v, do, sink=sink)
@@ -260,7 +254,7 @@ def order_noise(emulate, q, k, v, o, do):
 
 def check_kernel(tb, q, k, v, do, sink, *, bound, tight, **mask):
     """Kernel (default dk form) vs the oracle and the emulation; returns (kernel grads, oracle grads)."""
-    o, lse = saved_forward(q, k, v, sink, **mask)
+    o, lse = saved_forward(q, k, v, sink=sink, **mask)
     ref = reference_backward(q, k, v, do, sink=sink, **mask)
     got = tb.gproj_backward(do, q, k, v, o, lse, sink=sink, **mask)
     block = 16 if q.device.type == "cpu" else 64  # the interpreter's tiles; on a GPU the emulation's default
@@ -303,7 +297,7 @@ def test_kernel_varlen_gqa_window(interpret):
     ck = torch.tensor([0, 9, 13, 34, 34], dtype=torch.int32)
     q, k, v, do, sink = make(1, 4, 2, 30, 36, 24, offset=128.0, seed=10)  # packed tails past the last sequence
     mask = dict(causal=True, causal_align="bottom_right", window=(7, -1), cu_seqlens_q=cq, cu_seqlens_k=ck)
-    o, lse = saved_forward(q, k, v, sink, **mask)
+    o, lse = saved_forward(q, k, v, sink=sink, **mask)
     lse[..., 25:] = float("nan")  # rows past the last sequence: whatever the forward left there
     ref = reference_backward(q, k, v, do, sink=sink, **mask)
     got = interpret.gproj_backward(do, q, k, v, o, lse, sink=sink.half(), **mask)
@@ -336,7 +330,7 @@ def _four_key_witness(dtype, sink_weight):
 @pytest.mark.parametrize("weight", [None, 0.0])
 def test_four_key_witness_exact_without_sink(interpret, weight):
     q, k, v, do, sink = _four_key_witness(torch.float16, weight)
-    o, lse = saved_forward(q, k, v, sink)
+    o, lse = saved_forward(q, k, v, sink=sink)
     assert (o == 0).all()
     kw = {} if sink is None else dict(sink=sink)
     for form in ("two_product", "fused"):
@@ -348,7 +342,7 @@ def test_four_key_witness_exact_without_sink(interpret, weight):
 def test_sharp_sink_witness(interpret):
     """P_sink = 255/256: the four keys share 1/256; exact dq = 0 and D = 0 (so the target is 0 too)."""
     q, k, v, do, sink = _four_key_witness(torch.float16, 255.0)
-    o, lse = saved_forward(q, k, v, sink)
+    o, lse = saved_forward(q, k, v, sink=sink)
     ref = reference_backward(q, k, v, do, sink=sink)
     assert float(ref[0].abs().max()) < 1e-12 and (o == 0).all()  # 0 up to fp64 rounding of P
     unc = interpret.gproj_backward(do, q, k, v, o, lse, sink=sink, correct=False)[0]
@@ -363,7 +357,7 @@ def test_sharp_sink_witness(interpret):
 def test_kernel_reasons_ops_and_softcap(interpret):
     from gproj_patch.backends import ops
     q, k, v, do, sink = make(1, 4, 2, 16, 16, 16, seed=12)
-    o, lse = saved_forward(q, k, v, sink, causal=True)
+    o, lse = saved_forward(q, k, v, sink=sink, causal=True)
     def reason(*args, **kwargs):
         return interpret.kernel_unsupported_reason(*args, cpu_kernel=True, **kwargs)
     assert reason(q, k, v, sink=sink) is None and reason(q, k, v, sink=sink.half()) is None
@@ -413,11 +407,11 @@ def test_gpu_sinks_bf16(case):
 def test_gpu_sharp_sink_witness_bf16():
     from gproj_patch.backends import triton_bwd as tb
     q, k, v, do, sink = (None if x is None else x.cuda() for x in _four_key_witness(torch.bfloat16, 255.0))
-    o, lse = saved_forward(q, k, v, sink)
+    o, lse = saved_forward(q, k, v, sink=sink)
     unc = tb.gproj_backward(do, q, k, v, o, lse, sink=sink, correct=False)[0]
     assert float(unc[0, 0, 0, 0]) != 0.0
     for form in ("two_product", "fused"):
         assert (tb.gproj_backward(do, q, k, v, o, lse, sink=sink, dk_form=form)[0] == 0).all()
     q, k, v, do, _ = (None if x is None else x.cuda() for x in _four_key_witness(torch.bfloat16, None))
-    o, lse = saved_forward(q, k, v, None)
+    o, lse = saved_forward(q, k, v, sink=None)
     assert (tb.gproj_backward(do, q, k, v, o, lse)[0] == 0).all()
