@@ -2,7 +2,7 @@
 
     bash benchmarks/external_gpu.sh speed                 # H200: right after `prepare` (FA4 from the carried wheels)
     PYTHONPATH=. python3 benchmarks/speed_run.py [--out DIR] [--deadline S] [--shapes 0,1,...] [--skip-host]
-        [--skip-steps] [--contexts 4096x2,16384x1] [--step-reps 2 --step-steps 4] [--seed N]
+        [--skip-steps] [--contexts 4096x2,16384x1] [--step-reps 2 --step-steps 4] [--seed N] [--rounds 3]
     python benchmarks/speed_run.py --smoke                 # CPU: tiny shapes, the kernel through the interpreter
 
 1. Gate. One fresh-random adversarial case (B·H·S·D 2·8·1024·128, causal, BF16, keys shifted by a common vector
@@ -12,7 +12,8 @@
    run, and the KV-major kernel it names; an unpatched one (cuDNN, FA4) with dk and dv within 0.5% (its dq
    error is printed: the leak that makes the case adversarial). A variant that fails is not timed.
 2. Timing (``device_check.bench``: ``triton.testing.do_bench`` median) of forward+backward and of the forward
-   alone (backward = the difference) at ``device_check.SHAPES``, variants: ``cudnn`` (SDPA forced to cuDNN),
+   alone (backward = the difference) at ``device_check.SHAPES``, the variants interleaved over ``--rounds``
+   rounds (medians; each round's fwd+bwd kept in the cell's ``rounds``), variants: ``cudnn`` (SDPA forced to cuDNN),
    ``sdpa_tl`` / ``sdpa_gluon`` / ``sdpa_routed`` (SDPA, cuDNN forward, the patch on with ``kv_major="tl"``,
    Gluon forced — the plan's faster-head-dim list widened for the variant — and ``kv_major="auto"``),
    ``fa4`` (``flash_attn.cute.interface.flash_attn_func``, B·S·H·D) and ``fa4_patched``. Each cell checks which
@@ -53,6 +54,7 @@ import device_check as dc  # noqa: E402  (bench, SHAPES, make_inputs, tflops, lo
 import host_overhead as ho  # noqa: E402  (ARMS, step_times)
 import host_trace as ht  # noqa: E402  (measure)
 from fa4_records_check import load_fa4  # noqa: E402
+from speed_table import label, summary  # noqa: E402
 import gproj_patch  # noqa: E402
 from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
 from gproj_patch.backends.reference import reference_backward  # noqa: E402
@@ -86,12 +88,6 @@ class Variant:
 VARIANTS = (Variant("cudnn", "sdpa"), Variant("sdpa_tl", "sdpa", "tl", want_kernel="tl"),
             Variant("sdpa_gluon", "sdpa", "auto", force_gluon=True, want_kernel="gluon"),
             Variant("sdpa_routed", "sdpa", "auto"), Variant("fa4", "fa4"), Variant("fa4_patched", "fa4", "auto"))
-#: (column, numerator, denominator) of the summary's forward+backward ratios
-RATIOS = (("FA4/cuDNN", "fa4", "cudnn"), ("tl/cuDNN", "sdpa_tl", "cudnn"), ("gluon/cuDNN", "sdpa_gluon", "cudnn"),
-          ("routed/cuDNN", "sdpa_routed", "cudnn"), ("pFA4/FA4", "fa4_patched", "fa4"))
-#: the backward alone (forward+backward minus forward)
-BWD_RATIOS = (("routed/cuDNN", "sdpa_routed", "cudnn"), ("pFA4/FA4", "fa4_patched", "fa4"))
-TFLOPS_OF = ("cudnn", "sdpa_routed", "fa4", "fa4_patched")
 
 
 @dataclass
@@ -229,34 +225,53 @@ def time_cell(variant: Variant, shape, tensors, run: Run) -> dict:
                 bwd_tflops=dc.tflops(shape, bwd, products=BWD_PRODUCTS))
 
 
-def timing(run: Run, shapes, gates: dict, stop_at: float) -> list:
+def timing(run: Run, shapes, gates: dict, stop_at: float, rounds: int = 1) -> list:
+    """Each shape's cells, the variants interleaved over ``rounds`` rounds (clock and thermal drift land on every
+    variant alike); a cell keeps each round's times and reports their medians."""
     rows = []
     for shape in shapes:
         row = dict(shape=list(shape), cells={})
         tensors = shape_inputs(shape, run)
-        for variant in VARIANTS:
-            g = gates[variant.name]
-            if g["status"] != "PASS":
-                cell = dict(status="n/a" if g["status"] == "n/a" else "gate failed", why=g.get("why", ""))
-            elif run.left() < stop_at:
-                cell = dict(status="skipped", why="deadline")
-            else:
-                t0 = time.time()
-                try:
-                    cell = time_cell(variant, shape, tensors, run)
-                except Exception as e:  # one cell's failure leaves the others
-                    cell = dict(status="error", why=f"{type(e).__name__}: {str(e)[:300]}")
-                cell["s"] = round(time.time() - t0, 1)
-            row["cells"][variant.name] = cell
-            log(f"{label(shape):26s} {variant.name:12s} " + (
-                f"fwd+bwd {cell['fwdbwd']:8.3f} ms  fwd {cell['fwd']:7.3f}  bwd {cell['bwd']:8.3f}  "
-                f"{cell['tflops']:6.1f} TFLOP/s  kv_major {cell['kv_major']}  ({cell['s']} s)"
-                if cell["status"] == "ok" else f"{cell['status']}: {cell.get('why', '')}"))
+        for r in range(rounds):
+            for variant in VARIANTS:
+                g, prior = gates[variant.name], row["cells"].get(variant.name)
+                if prior is not None and prior["status"] != "ok":
+                    continue  # n/a, failed or skipped in an earlier round: stays so
+                if g["status"] != "PASS":
+                    cell = dict(status="n/a" if g["status"] == "n/a" else "gate failed", why=g.get("why", ""))
+                elif run.left() < stop_at:
+                    cell = prior or dict(status="skipped", why="deadline")
+                    row["cells"][variant.name] = cell
+                    continue
+                else:
+                    t0 = time.time()
+                    try:
+                        cell = merged(prior, time_cell(variant, shape, tensors, run))
+                    except Exception as e:  # one cell's failure leaves the others
+                        cell = dict(status="error", why=f"{type(e).__name__}: {str(e)[:300]}")
+                    cell["s"] = round(time.time() - t0 + (prior or {}).get("s", 0.0), 1)
+                row["cells"][variant.name] = cell
+                log(f"{label(shape):26s} {variant.name:12s} r{r} " + (
+                    f"fwd+bwd {cell['fwdbwd']:8.3f} ms  fwd {cell['fwd']:7.3f}  bwd {cell['bwd']:8.3f}  "
+                    f"{cell['tflops']:6.1f} TFLOP/s  rounds {cell['rounds']}  kv_major {cell['kv_major']}"
+                    if cell["status"] == "ok" else f"{cell['status']}: {cell.get('why', '')}"))
         rows.append(row)
         del tensors
         if run.device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def merged(prior: Optional[dict], cell: dict) -> dict:
+    """``cell`` with the fwd+bwd and fwd times of earlier rounds: medians (bwd = their difference, TFLOP/s from
+    them) and every round's fwd+bwd in ``rounds``."""
+    if cell["status"] != "ok":
+        return cell
+    runs = (prior or {}).get("runs", []) + [(cell["fwdbwd"], cell["fwd"])]
+    fwdbwd, fwd = (statistics.median(x[i] for x in runs) for i in (0, 1))
+    scale = fwdbwd / cell["fwdbwd"]
+    return dict(cell, fwdbwd=fwdbwd, fwd=fwd, bwd=fwdbwd - fwd, runs=runs, rounds=[round(x[0], 3) for x in runs],
+                tflops=cell["tflops"] / scale, bwd_tflops=cell["bwd_tflops"] * cell["bwd"] / (fwdbwd - fwd))
 
 
 def host(run: Run, shape, n: int) -> dict:
@@ -287,45 +302,6 @@ def steps(args, run: Run) -> dict:
     return out
 
 
-def label(shape) -> str:
-    B, H, S, D, causal = shape[:5]
-    heads = f"{H}({shape[5]})" if len(shape) > 5 else f"{H}"
-    return f"{'GQA ' if len(shape) > 5 else ''}{B}·{heads}·{S}·{D} {'causal' if causal else 'full'}"
-
-
-def _ms(row, name, key="fwdbwd"):
-    cell = row["cells"].get(name, {})
-    return cell[key] if cell.get("status") == "ok" else float("nan")
-
-
-def _fmt(x, spec):
-    return "n/a" if not math.isfinite(x) else format(x, spec)
-
-
-def summary(result: dict) -> str:
-    lines = ["gate (128σ, fp64 oracle): " + ", ".join(f"{n} {g['status']}" for n, g in result["gate"].items())]
-    h = result.get("host_us") or {}
-    if h:
-        base = h["unpatched"]["batched"]
-        lines.append(f"host µs a call ({label(result['host_shape'] + [True])}, sync per batch): " + ", ".join(
-            f"{m} {r['batched']:.0f}" + ("" if m == "unpatched" else f" (+{r['batched'] - base:.0f})")
-            for m, r in h.items()))
-    for ctx, r in (result.get("steps") or {}).items():
-        s = r.get("ms")
-        lines.append(f"step 0.5B {ctx}: " + (f"unpatched {s['unpatched']:.1f} ms, " + ", ".join(
-            f"{m} {100 * (s[m] / s['unpatched'] - 1):+.1f}%" for m in ("gproj", "auto")) if s else str(r)))
-    head = ["B·H·S·D", "cuDNN ms"] + [c for c, _, _ in RATIOS] + [f"bwd {c}" for c, _, _ in BWD_RATIOS] + \
-        ["TFLOP/s " + " / ".join(TFLOPS_OF)]
-    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in result["timing"]:
-        ratios = [_fmt(_ms(row, a) / _ms(row, b), ".3f") for _, a, b in RATIOS]
-        bwd = " | ".join(_fmt(_ms(row, a, "bwd") / _ms(row, b, "bwd"), ".3f") for _, a, b in BWD_RATIOS)
-        tf = " / ".join(_fmt(_ms(row, n, "tflops"), ".0f") for n in TFLOPS_OF)
-        lines.append(f"| {label(row['shape'])} | {_fmt(_ms(row, 'cudnn'), '.3f')} | " + " | ".join(ratios)
-                     + f" | {bwd} | {tf} |")
-    return "\n".join(lines)
-
-
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "speed_out"))
@@ -340,6 +316,7 @@ def parse(argv=None):
     ap.add_argument("--step-steps", type=int, default=4)
     ap.add_argument("--step-reserve", type=float, default=75.0, help="seconds the timing leaves to the steps")
     ap.add_argument("--host-calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds, the variants interleaved (medians)")
     return ap.parse_args(argv)
 
 
@@ -376,7 +353,7 @@ def main(argv=None) -> dict:
         result["host_us"] = host(run, tuple(result["host_shape"]), args.host_calls if cuda else 2)
         save(result, args.out)
     reserve = 0.0 if args.skip_steps or not cuda else args.step_reserve
-    result["timing"] = timing(run, shapes, result["gate"], stop_at=reserve)
+    result["timing"] = timing(run, shapes, result["gate"], stop_at=reserve, rounds=args.rounds)
     save(result, args.out)
     result["steps"] = steps(args, run) if cuda and not args.skip_steps else {}
     result["seconds"] = round(time.time() - run.t0, 1)
