@@ -10,6 +10,7 @@ Imports of triton, transformers and flash-attn happen inside the functions: this
 |---|---|---|---|
 | ``fused_sdpa_lse(grad_fn)`` | ``ScaledDotProduct{Cudnn,Flash,FlashForCpu,Efficient}AttentionBackward0`` and their ``_saved_logsumexp`` / ``_saved_log_sumexp`` | torch 2.11, 2.13 | SDPA hook |
 | ``overrides_torch_function(cls)`` | ``torch._C._disabled_torch_function_impl`` (a subclass that opted out of ``__torch_function__``) | torch 2.11, 2.13 | SDPA hook |
+| ``functorch_transform_active()``, ``forward_ad_active()``, ``saved_tensors_hooks_enabled()``, ``delayed_error(message, outputs)`` | ``torch._C._functorch.peek_interpreter_stack``, ``torch.autograd.forward_ad._current_level``, ``torch._C._autograd._saved_tensors_hooks_is_enabled``, ``torch._C._functions.DelayedError`` (what ``once_differentiable`` uses) | torch 2.13 | hooked calls' autograd (``dispatch/autograd.py``), SDPA/flex forwards |
 | ``custom_op_def(qualname)`` | ``torch._library.custom_ops.OPDEFS``; ``CustomOpDef._backend_fns``, ``_init_fn``, ``_abstract_fn`` | torch 2.11, 2.13 | flash-attn hook |
 | ``FA2_BACKWARD_OPS``, ``FA3_BACKWARD_OPS``, ``FA_FORWARD_OPS`` | flash-attn's private ops ``flash_attn::_flash_attn_{,varlen_}{forward,backward}`` (``flashattn::`` in newer FA2), ``flash_attn_3::_flash_attn_{forward,backward}`` | flash-attn 2.7–2.8, FA3 (H200 image) | flash-attn hook |
 | ``fa4_interface()`` | ``flash_attn.cute.interface._flash_attn_bwd`` / ``_flash_attn_fwd`` (module functions its autograd Functions look up as globals; JIT cache ``compile_cache`` on the function) | flash-attn-4 4.0.0b36 | flash-attn hook |
@@ -111,6 +112,32 @@ def overrides_torch_function(cls) -> bool:
     if disabled is None:
         raise CompatError("torch._C._disabled_torch_function_impl is gone: torch changed __torch_function__")
     return getattr(fn, "__func__", fn) not in (torch.Tensor.__torch_function__.__func__, disabled)
+
+
+# ---- autograd: torch.func transforms, forward-mode AD, saved-tensor hooks, a node that raises when reached ----
+def functorch_transform_active() -> bool:
+    """True inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``vmap``, ``jvp``, ...): its
+    interpreter stack is not empty."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def forward_ad_active() -> bool:
+    """True inside ``torch.autograd.forward_ad.dual_level()`` (its module-level current level is set)."""
+    from torch.autograd import forward_ad
+    return forward_ad._current_level >= 0
+
+
+def saved_tensors_hooks_enabled() -> bool:
+    """False inside ``torch.autograd.graph.disable_saved_tensors_hooks`` (entering saved-tensor hooks raises)."""
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+def delayed_error(message: str, outputs: tuple) -> tuple:
+    """``outputs`` as aliases that require grad through a node raising ``RuntimeError(message)`` when a backward
+    reaches it (``once_differentiable``'s mechanism); None entries stay None."""
+    aliases = [None if t is None else t.detach().requires_grad_() for t in outputs]
+    result = torch._C._functions.DelayedError(message, len(aliases))(*aliases)
+    return result if isinstance(result, tuple) else (result,)
 
 
 # ---- torch.library custom ops (flash-attn's backward ops) --------------------------------------------------

@@ -251,6 +251,7 @@ def unsupported_reason(fn, b: _Bound) -> Optional[str]:
     import torch
 
     from ..ops.hf_eager import mask_unsupported_reason
+    from ..dispatch.autograd import transform_reason
     form = form_of(fn)
     if isinstance(form, str):
         return form
@@ -259,7 +260,7 @@ def unsupported_reason(fn, b: _Bound) -> Optional[str]:
         return "query/key/value are not plain tensors"
     if any(t.dim() != 4 or t.numel() == 0 for t in tensors):
         return "inputs are not non-empty 4-D (B, H, S, D)"
-    return _argument_reason(b, form) or mask_unsupported_reason(b.mask, b.query.shape[2], b.key.shape[2])
+    return transform_reason(*tensors) or _argument_reason(b, form) or mask_unsupported_reason(b.mask, b.query.shape[2], b.key.shape[2])
 
 
 def eager_call(fn, args, kwargs):

@@ -31,6 +31,7 @@ import torch
 from ..runtime import telemetry
 from ..backends.spec import LOW_PRECISION
 from ..runtime.config import POLICY_MODES, Config
+from ..dispatch.autograd import once_differentiable, transform_reason
 from ..dispatch.plan import ForwardTensors, make_plan
 from ..dispatch.record import CallRecord, make_context
 from ..dispatch.router import graph_backward
@@ -39,7 +40,7 @@ from .flex_call import (FLEX_ATTENTION, NO_FLEX_BACKWARD, OWN_FORWARD, SLICED_MA
                         original_flex, problem_for, routed_backward, score_mod_softcap, set_original,
                         softcap_score_mod, unsupported_reason)
 from .flex_compiled import compiled_flex
-from .sdpa_call import detach_pack, identity_unpack
+from .sdpa_call import inner_saved_tensors_hooks
 
 DEFAULT_CONFIG = Config()  # made once: a compiled region cannot construct it
 
@@ -69,7 +70,7 @@ def run_forward(call: FlexCall, q, k, v, keep_graph: bool):
     grad_mode = torch.enable_grad() if with_grad else torch.no_grad()
     outer, OWN_FORWARD.active = OWN_FORWARD.active, True
     try:
-        with grad_mode, torch.autograd.graph.saved_tensors_hooks(detach_pack, identity_unpack):
+        with grad_mode, inner_saved_tensors_hooks():
             aliases = tuple(t.detach().requires_grad_(with_grad) for t in (q, k, v))
             result = call.forward_fn(*aliases, **kwargs)
     finally:
@@ -89,7 +90,7 @@ class _FlexFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
         original = graph_backward(ctx.inner, do)
@@ -121,6 +122,9 @@ def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_
         return compiled_flex(query, key, value, call, return_lse, return_aux, caller=caller, cfg=cfg,
                              passthrough=passthrough)
     reason = unsupported_reason(query, key, value, block_mask, enable_gqa, return_lse, return_aux)
+    if reason is None:
+        reason = transform_reason(query, key, value)
+        reason = None if reason is None else f"flex: {reason}"
     softcap = 0.0
     if reason is None:
         softcap, reason = score_mod_softcap(score_mod, caller.declared_softcap)

@@ -33,6 +33,7 @@ from torch import Tensor
 from ..runtime import telemetry
 from ..backends.spec import LOW_PRECISION
 from ..layers.scope import backward_ran
+from ..dispatch.autograd import once_differentiable
 from ..dispatch.plan import ForwardTensors, kernel_reason, make_plan
 from ..runtime.config import POLICY_MODES
 from ..dispatch.record import CallRecord, Problem, make_context
@@ -209,7 +210,7 @@ class _EagerFunction(torch.autograd.Function):
         return out, weights
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, d_out, d_weights):
         q, k, v, sink = ctx.saved_tensors
         call, record = ctx.call, ctx.record

@@ -26,6 +26,7 @@ from .. import policy
 from ..backends.spec import LOW_PRECISION
 from ..runtime.config import POLICY_MODES, Config
 from ..layers.scope import backward_ran, traced_layer
+from ..dispatch.autograd import once_differentiable, transform_reason
 from ..dispatch.plan import ForwardTensors, make_plan
 from ..dispatch.record import CallRecord, make_context
 from ..dispatch.router import graph_backward, run_backward
@@ -49,13 +50,10 @@ class _SdpaFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        # once_differentiable: its no_grad and double-backward guard act only when the backward runs with grad
-        # mode on (create_graph=True); in the usual backward grad mode is off and its wrapper would change nothing
-        if torch.is_grad_enabled():
-            return _backward_once(ctx, do)
         return _backward(ctx, do)
 
 
+@once_differentiable
 def _backward(ctx, do):
     q, k, v, out, lse = ctx.saved_tensors
     original = graph_backward(ctx.inner, do)
@@ -76,9 +74,6 @@ def _backward(ctx, do):
     return grads[0], grads[1], grads[2], None, None, None, None, None
 
 
-_backward_once = torch.autograd.function.once_differentiable(_backward)
-
-
 def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Optional[str]:
     """Why this SDPA call keeps the original path (None: it gets the corrected backward). Checked in this order;
     plain ``or`` chains rather than generators (this runs on every hooked call)."""
@@ -92,8 +87,8 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Op
         return "empty input"
     if dropout_p > 0.0:
         return "dropout > 0 (the fused kernel's dropout mask cannot be replayed by another backward)"
-    if dropout_p < 0.0:
-        return "dropout_p < 0 (the original decides: its own error, at the call)"
+    if not dropout_p >= 0.0:
+        return "dropout_p < 0 or NaN (the original decides: its own error, at the call)"
     if q.is_cuda and torch.are_deterministic_algorithms_enabled():
         return ("torch.use_deterministic_algorithms is on: the original runs its own determinism check (PyTorch's "
                 "fused backwards warn or raise there)")
@@ -107,6 +102,10 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Op
         return "k and v disagree in (B, H, S) or q and k in head dim (the original decides)"
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         return "q, k, v differ in dtype or device (the original decides)"
+    if q.device.type == "meta":
+        return "meta tensors (no values to correct)"
+    if attn_mask is not None and attn_mask.device != q.device:
+        return "attn_mask on another device than q (the original decides)"
     if attn_mask is not None and attn_mask.requires_grad:
         return "attn_mask requires grad"
     return None
@@ -121,6 +120,13 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     except (AttributeError, RuntimeError, TypeError):  # torch without per-device autocast queries
         pass
     return None
+
+
+def _autocast_cast(t, low: torch.dtype, device_type: str):
+    """``t`` as autocast casts an argument of a low-precision op: floating tensors on its device, except FP64
+    (an FP64 or integer key stays as it is, and the original raises its own dtype error)."""
+    eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+    return t.to(low) if eligible and t.device.type == device_type else t
 
 
 def _needs_correction(query, key, value, mode: str) -> bool:
@@ -141,7 +147,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if query.dtype == torch.float32 and mode != "off" and torch.is_grad_enabled() and type(query) in _PLAIN:
         low = _autocast_dtype(query.device.type)
         if low is not None:  # autocast would run SDPA in low precision (and leak): cast as autocast does
-            query, key, value = (t.to(low) for t in (query, key, value))
+            query, key, value = (_autocast_cast(t, low, query.device.type) for t in (query, key, value))
     if not _needs_correction(query, key, value, mode):
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
@@ -158,6 +164,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if k_heads_mismatch(query, key, enable_gqa):
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)  # the original raises its own error
+    reason = transform_reason(query, key, value, attn_mask)
+    if reason is not None:  # torch.func / forward AD: the original, which takes them (or raises) as unpatched
+        telemetry.record_forward("original", f"{source}: {reason}", telemetry.shape_class(source, query, key))
+        return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
     context = make_context(source, layer, cfg)
     if policy.keeps_original(context):
         return _original_counted(orig, context, query, key, value, attn_mask, is_causal, scale, enable_gqa)

@@ -4,13 +4,14 @@ backward's tensors. Imports neither of the two hook modules (they import it: no 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..backends.compat import BUILTIN_SDPA, fused_sdpa_lse
+from ..backends.compat import BUILTIN_SDPA, fused_sdpa_lse, saved_tensors_hooks_enabled
 from ..backends.spec import default_scale
 from ..dispatch.record import CallRecord, Problem
 from ..dispatch.router import BackwardTensors
@@ -39,6 +40,14 @@ def identity_unpack(t: Tensor) -> Tensor:
     return t
 
 
+def inner_saved_tensors_hooks():
+    """The pack/unpack hooks of an original forward run inside a hook (``run_original_with_lse``, flex's), or nothing inside ``disable_saved_tensors_hooks``
+    (entering hooks raises there; no checkpoint's hooks can be active then either)."""
+    if saved_tensors_hooks_enabled():
+        return torch.autograd.graph.saved_tensors_hooks(detach_pack, identity_unpack)
+    return contextlib.nullcontext()
+
+
 def run_original_with_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     """(inner output with its graph, lse or None, (qi, ki, vi)): the original SDPA on aliases that require grad.
 
@@ -46,7 +55,7 @@ def run_original_with_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     checkpoint, and reading its LSE would re-run the checkpointed block; these hooks keep them. The pack hook
     stores a *detached* alias: storing the tensor itself would put an output inside its own grad_fn, a reference
     cycle through C++ that Python's collector cannot see (every call's tensors would leak)."""
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(detach_pack, identity_unpack):
+    with torch.enable_grad(), inner_saved_tensors_hooks():
         qi, ki, vi = q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()
         inner = _Original.fn(qi, ki, vi, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
                              enable_gqa=enable_gqa)

@@ -1,0 +1,51 @@
+"""What autograd asks of a hooked call beyond one reverse-mode backward, answered as the unpatched call would.
+
+* ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``, ``jvp``) and forward-mode AD (dual tensors):
+  the hooks' ``autograd.Function``s define neither ``setup_context`` nor ``jvp``, so such a call is passed to the
+  original untouched (``transform_reason``) — it then works, or raises, exactly as without the patch.
+* ``create_graph=True``: the corrected backward is not differentiable. torch's ``once_differentiable`` marks the
+  gradients only when dO requires grad, so a gradient penalty (``autograd.grad(out, q, create_graph=True)`` with
+  a plain dO, then ``penalty.backward()``) silently lost its second-order term. ``once_differentiable`` here also
+  counts the forward's inputs (``ctx.needs_input_grad``): the gradients then require grad through a node that
+  raises ``SECOND_ORDER_ERROR`` when a backward reaches it; a ``create_graph`` backward that is never
+  differentiated again is unaffected.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ..backends import compat
+
+SECOND_ORDER_ERROR = ("gproj_patch: the corrected attention backward is not differentiable (a double backward "
+                      "through create_graph=True reached it); run this attention with gproj_patch.disable() "
+                      "for higher-order gradients")
+
+
+def transform_reason(*tensors) -> Optional[str]:
+    """Why a call made under a ``torch.func`` transform or with dual tensors keeps the original (None: neither).
+    Eager calls only (under ``torch.compile`` the compiled paths take these transforms through custom ops)."""
+    if compat.functorch_transform_active():
+        return "a torch.func transform (grad, vmap, jvp, ...) is active"
+    if compat.forward_ad_active() and any(
+            t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        return "forward-mode AD (dual tensors)"
+    return None
+
+
+def once_differentiable(backward):
+    """``torch.autograd.function.once_differentiable`` counting the forward's inputs as well as the incoming
+    gradients (module docstring). Outside ``create_graph`` (grad mode off in the backward) it only calls
+    ``backward``."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not (any(ctx.needs_input_grad) or any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads)):
+            return outputs
+        return compat.delayed_error(SECOND_ORDER_ERROR, outputs)
+    return wrapper
