@@ -89,8 +89,8 @@ MALFORMED_REASON = "sdpa: arguments in a form the hook does not take (passed to 
 
 
 def _well_formed(args: tuple, kwargs: dict) -> bool:
-    """True when the builtin's argument parser would accept this call (names, counts, Python types of the
-    scalars). Any other call goes to the original untouched, which raises its own ``TypeError``, at the call,
+    """True when the builtin's argument parser would accept this call (names, counts, tensors where it takes
+    tensors, Python types of the scalars). Any other call goes to the original untouched, which raises its own ``TypeError``, at the call,
     with its own message (``scaled_dot_product_attention() got an unexpected keyword argument ...``)."""
     if len(args) > len(_POSITIONAL) or len(args) + len(kwargs) < 3:
         return False
@@ -101,7 +101,10 @@ def _well_formed(args: tuple, kwargs: dict) -> bool:
         return False
     bound = dict(zip(_POSITIONAL, args))
     bound.update(kwargs)
-    return (isinstance(bound.get("dropout_p", 0.0), _NUMBER)
+    return (isinstance(bound["query"], torch.Tensor) and isinstance(bound["key"], torch.Tensor)
+            and isinstance(bound["value"], torch.Tensor)
+            and (bound.get("attn_mask") is None or isinstance(bound["attn_mask"], torch.Tensor))
+            and isinstance(bound.get("dropout_p", 0.0), _NUMBER)
             and isinstance(bound.get("is_causal", False), _BOOL)
             and isinstance(bound.get("enable_gqa", False), _BOOL)
             and (bound.get("scale") is None or isinstance(bound["scale"], _NUMBER)))

@@ -217,3 +217,15 @@ def test_autocast_leaves_ineligible_keys_alone(key_dtype):
 def test_nan_dropout_is_the_originals_error():
     _assert_same(*_off_and_on(lambda: F.scaled_dot_product_attention(*_qkv(), dropout_p=float("nan")).detach(),
                               targets=("sdpa",)))
+
+
+@pytest.mark.parametrize("args", ["query int", "key list", "value tuple", "mask int"])
+def test_non_tensor_arguments_raise_the_originals_type_error(args):
+    def call():
+        q, k, v = _qkv()
+        given = {"query int": (3, k, v), "key list": (q, [1.0], v), "value tuple": (q, k, (1.0,)),
+                 "mask int": (q, k, v, 1)}[args]
+        return F.scaled_dot_product_attention(*given).detach()
+    off, on = _off_and_on(call, targets=("sdpa",))
+    assert off[:2] == ("raised", TypeError)
+    _assert_same(off, on)
