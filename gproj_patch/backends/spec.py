@@ -241,6 +241,8 @@ def normalize_lse(lse: torch.Tensor, batch: int, heads: int, sq: int) -> torch.T
     Accepts SDPA flash / FA2 (B, H, S); SDPA efficient (B, H, ceil(S/32)*32), padded; cuDNN (B, H, S, 1),
     possibly strided; FA2/FA3 varlen (H, total) when ``batch == 1``.
     """
+    if lse.dtype == torch.float32 and lse.shape == (batch, heads, sq):
+        return lse  # already (B, H, Sq) fp32 (the router's normalized LSE): the slice below would be itself
     if lse.dim() == 4 and lse.shape[-1] == 1:
         lse = lse.squeeze(-1)
     if lse.dim() == 2 and batch == 1:

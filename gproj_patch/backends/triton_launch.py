@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from .launch_cache import PREPARED
 
@@ -152,12 +151,17 @@ def launch_key(job: Launch) -> tuple:
                      job.softcap, job.correct, job.fused, job.cfg_dq, job.cfg_dkdv, job.dot_precision)
 
 
+def _cdiv(n: int, block: int) -> int:
+    """⌈n / block⌉ in host integers (``triton.cdiv`` is a JIT function: ~2 µs a host call)."""
+    return -(-n // block)
+
+
 def grid(kind: str, job: Launch) -> Tuple[int, int, int]:
     """The ``kind`` launch's grid: (query blocks, query heads, problems) for "dq", (key blocks, KV heads,
     problems) for "dkdv" (blocks of the longest sequence; programs past a shorter one return at once)."""
     if kind == "dq":
-        return triton.cdiv(job.max_q, job.cfg_dq[0]), job.q.shape[1], job.n_problems
-    return triton.cdiv(job.max_k, job.cfg_dkdv[1]), job.k.shape[1], job.n_problems
+        return _cdiv(job.max_q, job.cfg_dq[0]), job.q.shape[1], job.n_problems
+    return _cdiv(job.max_k, job.cfg_dkdv[1]), job.k.shape[1], job.n_problems
 
 
 def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernels: dict) -> torch.Tensor:
