@@ -103,7 +103,7 @@ def instrumented(call, q, do, n):
                wrap(ops_sdpa, "backward_tensors", "  backward_tensors"),
                wrap(ops_sdpa, "run_backward", "  router.run_backward"),
                wrap(router, "_run_kernel", "    router._run_kernel"),
-               wrap(triton_bwd, "launch_backward", "      triton_bwd.launch_backward"),
+               wrap(triton_bwd, "launch_planned", "      triton_bwd.launch_planned"),
                wrap(triton_bwd, "_launch", "        triton_bwd._launch (launches)")]
     try:
         for _ in range(n):

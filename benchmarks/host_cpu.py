@@ -4,7 +4,7 @@
 launches without a device. FP16 CPU tensors at 1·2·128·64 causal (``--shape``), the patch on in mode "gproj" with
 tier "triton" (the kernel tier on CPU tensors: ``cpu_kernel``, as ``speed_run.py --smoke``), and the lowest launch
 call replaced by a no-op, so what remains is the forward hook, record/plan, the autograd Function, the router,
-``launch_backward``, argument building and the launch-key lookup. Two launch paths (``--path``):
+``launch_planned``, argument building and the launch-key lookup. Two launch paths (``--path``):
 
     interp    the CPU's own path: ``kernel[grid](**kernel_arguments(...))`` with the kernel a no-op
     prepared  the GPU's path (``launch_cache``): ``launch_key``, then a replay of a prepared launch (tensor slots
@@ -138,7 +138,7 @@ def _layers():
             (ops_sdpa, "backward_tensors", "  backward_tensors"),
             (ops_sdpa, "run_backward", "  router.run_backward"),
             (router, "_run_kernel", "    router._run_kernel"),
-            (triton_bwd, "launch_backward", "      triton_bwd.launch_backward"),
+            (triton_bwd, "launch_planned", "      triton_bwd.launch_planned"),
             (triton_bwd, "_launch", "        triton_bwd._launch (launches)")]
 
 

@@ -83,10 +83,12 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 from typing import Optional, Tuple
 
 import torch
 
+from . import triton_launch
 from .compat import load_interpreted_module, triton_interpreter_index_patch
 from .spec import (MASK_KWARGS, MAX_SEQLEN_KWARGS, VARLEN_KWARGS, MaskArgs, MaskSpec, Varlen, default_scale,
                    normalize_lse, sink_unsupported_reason, split_keywords, validate_cu_seqlens, validate_qkv)
@@ -294,6 +296,20 @@ def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                             options=options, sink=sink)
 
 
+#: the options of a planned backward (``launch_planned``): the defaults with each KV-major kernel, built once
+PLANNED_OPTIONS = MappingProxyType({kernel: KernelOptions(kv_major=kernel) for kernel in KV_MAJOR_KERNELS})
+
+
+def launch_planned(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, varlen: Varlen, kv_major: str,
+                   sink: Optional[torch.Tensor] = None):
+    """``launch_backward`` as the router runs a call's plan: the mask and the varlen offsets already grouped, the
+    options the defaults with the planned KV-major kernel (``PLANNED_OPTIONS``), so no keyword is split and no
+    options object built per call. Checks nothing the plan checked; decides nothing."""
+    return _launch_backward(do, q, k, v, o, lse, scale=scale, mask=mask, varlen=varlen,
+                            options=PLANNED_OPTIONS[kv_major], sink=sink)
+
+
 def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                      lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, varlen: Varlen,
                      options: KernelOptions, sink: Optional[torch.Tensor]):
@@ -358,8 +374,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         cfg_dq = cfg.get("dq") or block_config("dq", BD, fp32)
         cfg_dkdv = cfg.get("dkdv") or block_config("dkdv", BD, fp32)
 
-    from .triton_launch import Launch, sink_gradient
-    job = Launch(
+    job = triton_launch.Launch(
         do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv, sink=sink, cu_q=cu_q, cu_k=cu_k, varlen=packed,
         n_problems=Z, max_q=MQ, max_k=MK, window=(left, right), bottom_right=mask.causal_align == "bottom_right",
         alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(options.correct),
@@ -370,7 +385,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         target = _launch(kernel_module(interpret), interpret, job)
     if sink is None:
         return dq, dk, dv
-    return dq, dk, dv, sink_gradient(target.view(B, H, SQ), job)
+    return dq, dk, dv, triton_launch.sink_gradient(target.view(B, H, SQ), job)
 
 
 def _checked_kv_major(q, k, v, do, mask: MaskSpec, varlen: Varlen, options: KernelOptions) -> str:
@@ -397,5 +412,5 @@ def _checked_kv_major(q, k, v, do, mask: MaskSpec, varlen: Varlen, options: Kern
 
 def _launch(km, interpret: bool, job) -> torch.Tensor:
     """The launches of one backward (``triton_launch.launch``), with the parts ``_RUN`` names."""
-    from .triton_launch import launch
-    return launch(km, interpret, job, block_d=block_d(job.q.shape[-1]), parts=_RUN, last_kernels=LAST_KERNELS)
+    return triton_launch.launch(km, interpret, job, block_d=block_d(job.q.shape[-1]), parts=_RUN,
+                                last_kernels=LAST_KERNELS)

@@ -5,7 +5,7 @@
 the plan's fallback reason (once per reason and shape class) and, in ``auto``/``audit``, reports the tier that
 ran to the policy (``audit`` also compares with the FP32 tier). It decides nothing. Tiers:
 
-* ``"gproj"`` — the GProj Triton kernel (``backends.triton_bwd.launch_backward``, its KV-major launch the one
+* ``"gproj"`` — the GProj Triton kernel (``backends.triton_bwd.launch_planned``, its KV-major launch the one
   the plan names);
 * ``"fp32"`` — FP32 attention with the projection: the kernel on fp32 copies or the chunked recomputation
   (``backends.fp32_tier.fp32_backward``), as planned;
@@ -23,12 +23,14 @@ import torch
 
 from .. import policy
 from ..runtime import telemetry
-from ..backends.spec import normalize_lse
+from ..backends.spec import MaskSpec, Varlen, normalize_lse
 from ..layers.scope import backward_ran
 from .plan import KernelPlan
 from .record import CallRecord, Problem
 
 Grads = Tuple[torch.Tensor, ...]
+#: the ``Varlen`` of a problem without varlen offsets (frozen; shared by every such call)
+NO_VARLEN = Varlen()
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,17 +61,21 @@ def _kernel_lse(lse: torch.Tensor, dead_rows: Optional[torch.Tensor]) -> torch.T
 def _run_kernel(t: BackwardTensors, problem: Problem, kernel: KernelPlan) -> Grads:
     """The kernel tier as planned: its KV-major launch the Gluon kernel or the tl one (counted in
     ``stats()["kv_major"]``), on CUDA or, for CPU tensors the plan allowed, through Triton's interpreter."""
-    from ..backends.spec import MaskSpec
-    from ..backends.triton_bwd import launch_backward
-    extra = {} if problem.sink is None else {"sink": problem.sink}  # the LSE includes the sink: never drop it
+    from ..backends.triton_bwd import launch_planned  # here: triton may be missing (then no plan has this tier)
     telemetry.record_kv_major(kernel.kv_major, kernel.kv_major_reason)
     do = t.do.contiguous() if kernel.kv_major == "gluon" else t.do  # TMA needs aligned strides (planned as q's)
     mask = MaskSpec(causal=problem.causal, causal_align=problem.causal_align, window=tuple(problem.window),
                     softcap=float(problem.softcap))
-    return launch_backward(do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale, mask=mask,
-                           cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
-                           max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k, correct=True,
-                           kv_major=kernel.kv_major, **extra)
+    return launch_planned(do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale, mask=mask,
+                          varlen=_varlen(problem), kv_major=kernel.kv_major, sink=problem.sink)
+
+
+def _varlen(problem: Problem) -> Varlen:
+    """The problem's varlen offsets as the kernel takes them (``NO_VARLEN`` when it has none)."""
+    if problem.cu_seqlens_q is None and problem.cu_seqlens_k is None:
+        return NO_VARLEN
+    return Varlen(cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
+                  max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k)
 
 
 def _run_fp32(t: BackwardTensors, problem: Problem, fp32_kernel: Optional[KernelPlan]) -> Grads:
