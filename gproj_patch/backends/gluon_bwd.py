@@ -52,8 +52,9 @@ if UNAVAILABLE_REASON is None:
 #: head dims the kernel is instantiated for
 GLUON_HEAD_DIMS = (64, 128)
 #: head dims where it is the default (``plan.kv_major_choice``): faster than the tl KV-major kernel on the
-#: H200 at every shape timed (BENCHMARKS.md run 23: D=128 ×0.82–0.91 of the tl launch; D=64 ×1.07–1.13, slower)
-FASTER_HEAD_DIMS = (128,)
+#: H200 at every shape timed with ``CONFIGS`` (BENCHMARKS.md run 23: D=128 ×0.82–0.91 of the tl launch; run 40:
+#: D=64 with 128-row retired tiles ×0.894 causal, ×0.876 full — its 64-row build without them was ×1.16–1.18)
+FASTER_HEAD_DIMS = (64, 128)
 #: the one compute capability the kernel is written for (TMA, wgmma, setmaxnreg: sm_90a)
 GLUON_CAPABILITY = (9, 0)
 #: TMA: base address and every stride but the last must be multiples of this many bytes
@@ -107,10 +108,12 @@ class KernelConfig:
             raise ValueError(f"release_pairs needs an even ring of at least 4 slots, got {self.num_stages}")
 
 
-#: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``benchmarks/gluon_check.py --compile-only``). D=128
-#: retires each tile's products (unserialized wgmma): its KV launch ×0.853–0.864 of the 64-row, 2-slot kernel without
-#: it at the four D=128 issue shapes, bitwise equal results (BENCHMARKS.md run 36)
-CONFIGS = {64: KernelConfig(64, 2), 128: KernelConfig(64, 2, retire_tiles=True)}
+#: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``benchmarks/gluon_check.py --compile-only``), each
+#: tile's products retired within it (unserialized wgmma). D=128: KV launch ×0.853–0.864 of the 64-row, 2-slot
+#: kernel without it at the four D=128 issue shapes, bitwise equal results (BENCHMARKS.md run 36). D=64: 128-row
+#: tiles, a 3-slot ring, ×0.876–0.894 of the tl launch (run 40; the 64-row 2-slot build without retired tiles,
+#: whose wgmmas ptxas serializes, was ×1.16–1.18)
+CONFIGS = {64: KernelConfig(128, 3, retire_tiles=True), 128: KernelConfig(64, 2, retire_tiles=True)}
 
 
 @functools.lru_cache(maxsize=64)

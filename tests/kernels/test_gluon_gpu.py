@@ -140,10 +140,11 @@ def test_sq_not_multiple_of_4_runs_tl_and_is_correct():
     assert max(dc.rel(a, r) for a, r in zip(grads, ref)) < TARGET
 
 
-@pytest.mark.parametrize("head_dim,expected", [(128, "gluon"), (64, "tl")])
+@pytest.mark.parametrize("head_dim,expected", [(128, "gluon"), (64, "gluon"), (96, "tl")])
 def test_patched_sdpa_counts_its_kv_major_kernel(head_dim, expected):
-    """Through the public API: the kernel tier picks the Gluon KV-major launch where it is faster (D=128), the
-    tl one elsewhere, per call; ``stats()`` counts which ran; the gradients match the fp64 oracle."""
+    """Through the public API: the kernel tier picks the Gluon KV-major launch where it is faster (D=64, 128), the
+    tl one elsewhere (D=96: no Gluon build), per call; ``stats()`` counts which ran; the gradients match the fp64
+    oracle."""
     import gproj_patch
     g = torch.Generator(device="cuda").manual_seed(9)
     q, k, v, do = (torch.randn(2, 4, 512, head_dim, generator=g, device="cuda").to(torch.bfloat16)
@@ -172,7 +173,8 @@ def test_unaligned_strides_get_a_reason():
 
 #: the slot-release variant of each head dim (``KernelConfig.release_pairs``), with the default's tile rows so
 #: that its results must be bitwise the default's (same products, same order; only the mbarrier traffic differs)
-PAIRED = {d: gluon_bwd.KernelConfig(cfg.block_m, 4, release_pairs=True) for d, cfg in gluon_bwd.CONFIGS.items()}
+PAIRED = {d: gluon_bwd.KernelConfig(cfg.block_m, 4, release_pairs=True, retire_tiles=cfg.retire_tiles)
+          for d, cfg in gluon_bwd.CONFIGS.items()}
 
 
 @pytest.mark.parametrize("name", ["offset512", "causal_br", "d128", "odd_br_mqa_d128", "fp16_d128_dense", "gqa"])
