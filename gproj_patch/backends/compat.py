@@ -10,7 +10,7 @@ Imports of triton, transformers and flash-attn happen inside the functions: this
 |---|---|---|---|
 | ``fused_sdpa_lse(grad_fn)`` | ``ScaledDotProduct{Cudnn,Flash,FlashForCpu,Efficient}AttentionBackward0`` and their ``_saved_logsumexp`` / ``_saved_log_sumexp`` | torch 2.11, 2.13 | SDPA hook |
 | ``overrides_torch_function(cls)`` | ``torch._C._disabled_torch_function_impl`` (a subclass that opted out of ``__torch_function__``) | torch 2.11, 2.13 | SDPA hook |
-| ``functorch_transform_active()``, ``forward_ad_active()``, ``saved_tensors_hooks_enabled()``, ``delayed_error(message, outputs)`` | ``torch._C._functorch.peek_interpreter_stack``, ``torch.autograd.forward_ad._current_level``, ``torch._C._autograd._saved_tensors_hooks_is_enabled``, ``torch._C._functions.DelayedError`` (what ``once_differentiable`` uses) | torch 2.13 | hooked calls' autograd (``dispatch/autograd.py``), SDPA/flex forwards |
+| ``functorch_transform_active()``, ``forward_ad_active()``, ``saved_tensors_hooks_enabled()``, ``saved_tensors_default_hooks_active()``, ``graph_task_id()``, ``delayed_error(message, outputs)`` | ``torch._C._functorch.peek_interpreter_stack``, ``torch.autograd.forward_ad._current_level``, ``torch._C._autograd._saved_tensors_hooks_is_enabled``, ``torch._C._autograd._top_saved_tensors_default_hooks``, ``torch._C._current_graph_task_id``, ``torch._C._functions.DelayedError`` (what ``once_differentiable`` uses) | torch 2.13 | hooked calls' autograd (``dispatch/autograd.py``), SDPA/flex forwards |
 | ``custom_op_def(qualname)`` | ``torch._library.custom_ops.OPDEFS``; ``CustomOpDef._backend_fns``, ``_init_fn``, ``_abstract_fn`` | torch 2.11, 2.13 | flash-attn hook |
 | ``FA2_BACKWARD_OPS``, ``FA3_BACKWARD_OPS``, ``FA_FORWARD_OPS`` | flash-attn's private ops ``flash_attn::_flash_attn_{,varlen_}{forward,backward}`` (``flashattn::`` in newer FA2), ``flash_attn_3::_flash_attn_{forward,backward}`` | flash-attn 2.7–2.8, FA3 (H200 image) | flash-attn hook |
 | ``fa4_interface()`` | ``flash_attn.cute.interface._flash_attn_bwd`` / ``_flash_attn_fwd`` (module functions its autograd Functions look up as globals; JIT cache ``compile_cache`` on the function) | flash-attn-4 4.0.0b36 | flash-attn hook |
@@ -130,6 +130,18 @@ def forward_ad_active() -> bool:
 def saved_tensors_hooks_enabled() -> bool:
     """False inside ``torch.autograd.graph.disable_saved_tensors_hooks`` (entering saved-tensor hooks raises)."""
     return torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+def saved_tensors_default_hooks_active() -> bool:
+    """True inside ``torch.autograd.graph.saved_tensors_hooks`` (a non-reentrant checkpoint's forward and its
+    recomputation, ``save_on_cpu``, ...): the stack of default pack/unpack hooks is not empty."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def graph_task_id() -> int:
+    """The id of the backward autograd's engine runs on this thread (a checkpoint's recomputation, reentrant or
+    not, runs its forward there), -1 outside one: ``torch._C._current_graph_task_id()``."""
+    return torch._C._current_graph_task_id()
 
 
 def delayed_error(message: str, outputs: tuple) -> tuple:

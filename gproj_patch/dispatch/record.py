@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
+from ..backends.compat import graph_task_id
 from ..runtime import config as _config
 from ..layers.scope import current_layer, layer_id
 from ..policy import effective_config
@@ -80,7 +81,7 @@ def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config
     """The context of a call whose forward runs now: the active configuration (else ``cfg``, else the
     environment's), and the layer name of the open ``layer_scope``, else ``layer``, else ``call{n}``."""
     cfg = _config.active() or cfg or _config.resolve()
-    STATE.forward_started()
+    STATE.forward_started(graph_task_id())  # a checkpoint's recomputation runs inside a backward
     name = current_layer() or layer or layer_id()
     return Context(mode=cfg.mode, tier_option=cfg.tier, layer=name, source=source,
                    policy=effective_config(cfg.policy), kv_major=cfg.kv_major, cpu_kernel=cfg.cpu_kernel)

@@ -23,6 +23,7 @@ import torch
 
 from ..runtime import config as _config, telemetry
 from .. import policy
+from ..backends.compat import saved_tensors_default_hooks_active
 from ..backends.spec import LOW_PRECISION
 from ..runtime.config import POLICY_MODES, Config
 from ..layers.scope import backward_ran, traced_layer
@@ -170,7 +171,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
     context = make_context(source, layer, cfg)
-    if policy.keeps_original(context):
+    # not under saved-tensor hooks: a non-reentrant checkpoint recomputes this forward during the backward and
+    # needs the same saved tensors, but sampling at the forward can flip keeps_original before the recompute
+    if policy.keeps_original(context) and not saved_tensors_default_hooks_active():
         return _original_counted(orig, context, query, key, value, attn_mask, is_causal, scale, enable_gqa)
     telemetry.record_forward("patched")
     record = CallRecord(problem_for(query, key, attn_mask, is_causal, scale), context)

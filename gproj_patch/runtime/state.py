@@ -71,6 +71,7 @@ class RuntimeState:
             self.implicit_step = 0
             self.call_index = 0
             self.backward_seen = False
+            self.forward_task = -1  # autograd's graph task of the last hooked forward (-1: outside a backward)
             # policy (policy.py): one LayerRecord per layer name, tier transitions, detector failure flag
             self.layers: Dict[str, Any] = {}
             self.events: List[Dict[str, Any]] = []
@@ -107,19 +108,25 @@ class RuntimeState:
             self.call_index = 0
             self.backward_seen = False
 
-    def forward_started(self) -> None:
-        """Every hooked attention forward calls this: the first one after a backward starts a new step."""
-        if self.backward_seen:
+    def forward_started(self, task: int = -1) -> None:
+        """Every hooked attention forward calls this: the first one after a backward starts a new step. ``task``:
+        autograd's graph task the forward runs in (-1: outside a backward). A forward inside a backward is a
+        checkpoint's recomputation: it starts a step only after forwards that ran inside another backward (a
+        reentrant checkpoint's recomputations are its only hooked forwards), never after forwards that ran
+        outside one (a non-reentrant checkpoint's step began there)."""
+        new_step = task == -1 or (self.forward_task != -1 and task != self.forward_task)
+        if self.backward_seen and new_step:
             with self.lock:
                 if self.backward_seen:
                     if self.explicit_step is None:
                         self.implicit_step += 1
                     self.call_index = 0
                     self.backward_seen = False
+        self.forward_task = task
 
     def next_call_name(self) -> str:
         """``call{n}``: the n-th unnamed attention forward of this step."""
-        self.forward_started()
+        self.forward_started(self.forward_task)
         with self.lock:
             n = self.call_index
             self.call_index += 1
