@@ -60,7 +60,7 @@ from . import fa_records
 
 logger = logging.getLogger("gproj_patch")
 
-# the private upstream names (backends/compat.py): read from this module at install() (tests point them elsewhere)
+# the private upstream names (backends/compat/): read from this module at install() (tests point them elsewhere)
 FA2_OPS = compat.FA2_BACKWARD_OPS
 FA3_OPS = compat.FA3_BACKWARD_OPS
 FORWARD_OPS = compat.FA_FORWARD_OPS

@@ -1,45 +1,18 @@
-"""Every private upstream API the package touches, in one place, with the versions it was checked against.
-
-Each touch-point is a small function (or, for names only, a constant) that either does its job or raises
-``CompatError`` naming what changed — never a silently wrong result. ``tests/test_structure.py`` exercises each
-one on the installed versions, so an upstream change fails loudly in CI. Checked against: torch 2.11.0+cu130 (the
-H200 image) and 2.13.0 (CPU); transformers 5.17 (H200) and 5.24 (CPU); triton 3.6.0; flash-attn-4 4.0.0b36.
-Imports of triton, transformers and flash-attn happen inside the functions: this module imports without them.
-
-| touch-point | upstream private name | checked | used by |
-|---|---|---|---|
-| ``fused_sdpa_lse(grad_fn)`` | ``ScaledDotProduct{Cudnn,Flash,FlashForCpu,Efficient}AttentionBackward0`` and their ``_saved_logsumexp`` / ``_saved_log_sumexp`` | torch 2.11, 2.13 | SDPA hook |
-| ``overrides_torch_function(cls)`` | ``torch._C._disabled_torch_function_impl`` (a subclass that opted out of ``__torch_function__``) | torch 2.11, 2.13 | SDPA hook |
-| ``functorch_transform_active()``, ``forward_ad_active()``, ``saved_tensors_hooks_enabled()``, ``saved_tensors_default_hooks_active()``, ``graph_task_id()``, ``delayed_error(message, outputs)`` | ``torch._C._functorch.peek_interpreter_stack``, ``torch.autograd.forward_ad._current_level``, ``torch._C._autograd._saved_tensors_hooks_is_enabled``, ``torch._C._autograd._top_saved_tensors_default_hooks``, ``torch._C._current_graph_task_id``, ``torch._C._functions.DelayedError`` (what ``once_differentiable`` uses) | torch 2.13 | hooked calls' autograd (``dispatch/autograd.py``), SDPA/flex forwards |
-| ``custom_op_def(qualname)`` | ``torch._library.custom_ops.OPDEFS``; ``CustomOpDef._backend_fns``, ``_init_fn``, ``_abstract_fn`` | torch 2.11, 2.13 | flash-attn hook |
-| ``FA2_BACKWARD_OPS``, ``FA3_BACKWARD_OPS``, ``FA_FORWARD_OPS`` | flash-attn's private ops ``flash_attn::_flash_attn_{,varlen_}{forward,backward}`` (``flashattn::`` in newer FA2), ``flash_attn_3::_flash_attn_{forward,backward}`` | flash-attn 2.7–2.8, FA3 (H200 image) | flash-attn hook |
-| ``fa4_interface()`` | ``flash_attn.cute.interface._flash_attn_bwd`` / ``_flash_attn_fwd`` (module functions its autograd Functions look up as globals; JIT cache ``compile_cache`` on the function) | flash-attn-4 4.0.0b36 | flash-attn hook |
-| ``hf_registry_mapping(registry)`` | ``transformers`` ``AttentionInterface._global_mapping`` (and the mask interface's) | transformers 5.17, 5.24 | HF hooks |
-| ``is_context_parallel_wrapper(fn)`` | ``torch.distributed.tensor.experimental._context_parallel._attention._replaced_functions`` | torch 2.11, 2.13 | SDPA hook |
-| ``register_torchscript_builtin(fn, op)`` | ``torch.jit._builtins._register_builtin`` | torch 2.11, 2.13 | SDPA hook (TorchScript) |
-| ``dynamo_module_name()`` | the module ``torch._dynamo`` (imported first by ``torch.compile``; its import loads the compiled flex path) | torch 2.11, 2.13 | flex hook |
-| ``BUILTIN_SDPA`` | ``torch._C._nn.scaled_dot_product_attention`` (the C builtin behind ``F.scaled_dot_product_attention``) | torch 2.11, 2.13 | SDPA hook |
-| ``assume_constant_result(fn)`` | ``torch._dynamo.assume_constant_result`` (a trace-time call folded to its result) | torch 2.11, 2.13 | compiled flex hook |
-| ``flex_identity_score_mod()``, ``FLEX_SLICED_MASK_MOD`` | ``torch.nn.attention.flex_attention._identity``; the name of the stub flex puts in a sliced BlockMask (``_sliced_mask_mod_error``) | torch 2.11, 2.13 | flex hook |
-| ``load_interpreted_module(name, path, interpret)`` | ``triton.knobs.runtime.interpret`` (read when a file's ``@triton.jit`` decorators run) and ``knobs.runtime.scope()`` | triton 3.6 | Triton kernel on CPU |
-| ``triton_interpreter_index_patch()`` | ``triton.runtime.interpreter._patch_lang_tensor`` | triton 3.6 | Triton kernel on CPU |
-| ``compiled_launcher(kernel)``, ``launch_hooks_set()`` | ``CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``; ``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` | triton 3.6 | prepared launches (host cost) |
-| ``current_cuda_stream(index)`` | ``torch._C._cuda_getCurrentRawStream`` | torch 2.11, 2.13 | prepared launches |
-| ``gluon_unsupported_reason(version)`` | ``triton.experimental.gluon`` (experimental: ``warp_specialize``'s signature, ``warpgroup_mma_init``, rank-1 ``NVMMASharedLayout`` TMA boxes) | triton 3.6 | Gluon KV-major kernel |
-
-This module imports nothing from the rest of the package.
-"""
+"""PyTorch's private APIs the package touches (SDPA's builtin, fused nodes and fused ops, tensor subclasses,
+autograd internals, custom ops, context parallel, TorchScript, Dynamo, flex) and the libraries registered through
+them (flash-attn's ops and FA4's interface, Transformers' attention registries). The table of touch-points with
+the versions each was checked against is in the package docstring (``backends/compat/__init__.py``)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+import functools
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-
-class CompatError(RuntimeError):
-    """An upstream private API is not what this version of gproj_patch was written against."""
-
+from .errors import CompatError
 
 # ---- PyTorch SDPA: the builtin, and the LSE saved by the fused autograd node ---------------------------------
 BUILTIN_SDPA = torch._C._nn.scaled_dot_product_attention
@@ -132,16 +105,30 @@ def saved_tensors_hooks_enabled() -> bool:
     return torch._C._autograd._saved_tensors_hooks_is_enabled()
 
 
+#: torch's reader of the saved-tensor hook stack: ``_top_saved_tensors_default_hooks(ignore_is_tracing)`` (torch
+#: 2.8+; checked on 2.11, 2.13); None on an older torch, where ``saved_tensors_default_hooks_active`` answers True
+_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+#: ``torch._C._current_graph_task_id`` (what ``torch.utils.checkpoint`` reads; torch 2.1+, checked on 2.11, 2.13)
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def saved_tensors_default_hooks_active() -> bool:
     """True inside ``torch.autograd.graph.saved_tensors_hooks`` (a non-reentrant checkpoint's forward and its
-    recomputation, ``save_on_cpu``, ...): the stack of default pack/unpack hooks is not empty."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    recomputation, ``save_on_cpu``, ...): the stack of default pack/unpack hooks is not empty. On a torch without
+    the reader, True (the caller then takes the path that is right with hooks too, only slower)."""
+    if _TOP_SAVED_TENSORS_HOOKS is None:
+        return True
+    try:
+        return _TOP_SAVED_TENSORS_HOOKS(False) is not None
+    except TypeError:  # a torch whose reader takes no argument
+        return _TOP_SAVED_TENSORS_HOOKS() is not None
 
 
 def graph_task_id() -> int:
     """The id of the backward autograd's engine runs on this thread (a checkpoint's recomputation, reentrant or
-    not, runs its forward there), -1 outside one: ``torch._C._current_graph_task_id()``."""
-    return torch._C._current_graph_task_id()
+    not, runs its forward there), -1 outside one (and always on a torch without the reader: every forward then
+    counts as outside a backward, as before checkpoint recomputations were told apart)."""
+    return -1 if _GRAPH_TASK_ID is None else _GRAPH_TASK_ID()
 
 
 def delayed_error(message: str, outputs: tuple) -> tuple:
@@ -261,136 +248,6 @@ def dynamo_module_name() -> str:
     return "torch._dynamo"
 
 
-# ---- Triton's interpreter ----------------------------------------------------------------------------------
-def load_interpreted_module(name: str, path: str, interpret: bool):
-    """The Python file ``path`` loaded as module ``name`` with Triton's interpreter on (``interpret``) or off:
-    Triton decides when a file's ``@triton.jit`` decorators run (its ``knobs.runtime.interpret``, which defaults
-    to the TRITON_INTERPRET variable), so the same kernels load as a compiled and an interpreted copy; the knob is
-    set inside ``knobs.runtime.scope()`` (restored afterwards) and no environment variable is read or written.
-
-    ``name``'s parent (one per mode, e.g. ``gproj_patch.backends._interp``) is a package made here over
-    ``path``'s folder, so the file's relative imports of its helper files (``from .triton_tiles import ...``)
-    load them within this call, in the same mode, as its siblings: a kernel never calls a helper of the other
-    mode. A file already loaded there (another file's helper) is returned as it is; a parent that exists but was
-    not made for this mode raises ValueError."""
-    import importlib.util
-    import os
-    import sys
-    import types
-
-    from triton import knobs
-    parent = name.rpartition(".")[0]
-    with knobs.runtime.scope():
-        knobs.runtime.interpret = bool(interpret)
-        pkg = sys.modules.get(parent)
-        if pkg is None:
-            pkg = sys.modules[parent] = types.ModuleType(parent, "Triton kernel files loaded in one mode")
-            pkg.__path__ = [os.path.dirname(os.path.abspath(path))]
-            pkg.triton_interpret = bool(interpret)
-        if getattr(pkg, "triton_interpret", None) is not bool(interpret):
-            raise ValueError(f"{parent!r} is not a package of kernel files loaded with interpret={interpret}")
-        mod = sys.modules.get(name)
-        if mod is None:
-            spec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-    return mod
-
-
-@contextlib.contextmanager
-def triton_interpreter_index_patch() -> Iterator[None]:
-    """Triton 3.6's interpreter converts loop bounds with ``int(ndarray of shape (1,))``, which numpy >= 2.4
-    rejects; while interpreted kernels run, convert through ``.reshape(-1)[0]`` instead."""
-    try:
-        import triton.runtime.interpreter as ti
-        orig = ti._patch_lang_tensor
-    except (ImportError, AttributeError):  # other triton versions: nothing to patch
-        yield
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    ti._patch_lang_tensor = patched
-    try:
-        yield
-    finally:
-        ti._patch_lang_tensor = orig
-
-
-# ---- Triton's Gluon (experimental) -------------------------------------------------------------------------
-#: Triton releases the Gluon KV-major kernel (``backends/gluon_kernels.py``) was compiled and run on (H200, runs
-#: 22–25). Gluon is experimental: between releases ``gl.warp_specialize`` changed its signature (a list of
-#: (function, args) in 3.6, keyword default/worker partitions later), so other releases get the tl kernel.
-GLUON_CHECKED_TRITON = ("3.6",)
-
-
-def gluon_unsupported_reason(version: Optional[str] = None) -> Optional[str]:
-    """None when ``version`` (default: the installed Triton's) is a release the Gluon kernel was checked
-    against (``GLUON_CHECKED_TRITON``, any patch level); otherwise why the tl kernel runs instead."""
-    if version is None:
-        try:
-            import triton
-        except Exception as exc:  # pragma: no cover - triton is a dependency
-            return f"no triton ({type(exc).__name__})"
-        version = triton.__version__
-    if any(version == v or version.startswith(v + ".") for v in GLUON_CHECKED_TRITON):
-        return None
-    return f"triton {version}: the Gluon kernel was checked against triton {', '.join(GLUON_CHECKED_TRITON)} only"
-
-
-# ---- Triton's compiled-kernel launcher (the host cost of a launch) ------------------------------------------
-#: Triton releases whose ``CompiledKernel`` launcher call ``compiled_launcher`` was checked against
-LAUNCHER_CHECKED_TRITON = ("3.6",)
-
-
-def compiled_launcher(kernel) -> Optional[Any]:
-    """``go(grid_x, grid_y, grid_z, stream, args)`` launching the compiled kernel ``kernel`` (what
-    ``JITFunction.run`` returned) as ``JITFunction.run`` does after its argument binding, or None where this
-    Triton's ``CompiledKernel`` is not the one checked. ``args``: every parameter of the kernel in signature order,
-    constexprs included (the launcher skips them), as ``JITFunction.run`` passes ``bound_args.values()``. Checked:
-    triton 3.6.0 (``CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
-    enter_hook, exit_hook, *args)``). The launch hooks (a profiler's) are not called: ``launch_hooks_set()`` says
-    when a caller must take Triton's own path instead."""
-    import triton
-    if not triton.__version__.startswith(LAUNCHER_CHECKED_TRITON):
-        return None
-    try:
-        run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
-    except AttributeError:
-        return None
-    if function is None or not callable(run):
-        return None
-
-    def go(grid_x: int, grid_y: int, grid_z: int, stream: int, args) -> None:
-        run(grid_x, grid_y, grid_z, stream, function, metadata, None, None, None, *args)
-    return go
-
-
-def launch_hooks_set() -> bool:
-    """True when a Triton launch enter/exit hook is set (``triton.knobs.runtime``; a profiler such as Proton):
-    launches must then go through ``JITFunction.run``, which calls them. Triton 3.6 keeps each as a ``HookChain``
-    (never None; set when its ``calls`` list is not empty); a plain callable set in its place counts as set.
-    Checked: triton 3.6.0."""
-    from triton import knobs
-    return _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
-
-
-def _hook_set(hook) -> bool:
-    if hook is None:
-        return False
-    calls = getattr(hook, "calls", None)
-    return bool(calls) if isinstance(calls, list) else True
-
-
-def current_cuda_stream(device_index: int) -> int:
-    """The raw handle of the current CUDA stream of ``device_index`` (what Triton's launch path passes),
-    ``torch._C._cuda_getCurrentRawStream``. Checked: torch 2.11, 2.13."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
-
-
 # ---- SDPA's fused ops as its own composite calls them (the compiled SDPA hook) -----------------------------
 # Touch-points, checked against torch 2.13 (CPU: the flash-for-CPU op, tests/hooks/test_compiled_fused.py) and
 # 2.11 (H200: flash, efficient, cuDNN; that file's CUDA tests): the kernel of ``aten.scaled_dot_product_attention``
@@ -398,10 +255,6 @@ def current_cuda_stream(device_index: int) -> int:
 # ``torch.utils._python_dispatch.TorchDispatchMode`` (to see the fused op that composite calls); the aten ops
 # ``_scaled_dot_product_{flash_attention, flash_attention_for_cpu, efficient_attention, cudnn_attention}`` (their
 # argument names, the positions of their outputs) and their ``_backward`` ops (argument names).
-import functools  # noqa: E402  (this block's own imports, kept with it)
-from dataclasses import dataclass  # noqa: E402
-from types import MappingProxyType  # noqa: E402
-from typing import Dict, Tuple  # noqa: E402
 
 
 @dataclass(frozen=True)
