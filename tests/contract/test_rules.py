@@ -1,5 +1,6 @@
 """The structure rules of issue 20 (item 8), checked on the source: one runtime state, no import cycle at any
-level and no upward import, no environment read in the numerics, no host function with a dozen loose arguments.
+level and no upward import, no environment read in the numerics, no host function with a dozen loose arguments,
+no module far over 400 lines.
 
 Each rule is an AST scan of ``gproj_patch/`` (the last one: of ``tests/``, which loads no benchmark script); a
 violation names the file, line and what to do instead.
@@ -14,6 +15,8 @@ OWNER = PKG / "patch.py"
 #: the one module that holds the runtime state
 STATE_MODULE = PKG / "runtime" / "state.py"
 MAX_PARAMETERS = 12
+#: "no module over ~400 lines": the tolerance the "~" allows (split a module by role before it passes this)
+MAX_MODULE_LINES = 420
 #: containers a module-level assignment must not create outside the state module (unless a bounded cache)
 MUTABLE_CALLS = {"dict", "list", "set", "Counter", "OrderedDict", "defaultdict", "deque", "WeakValueDictionary",
                  "WeakKeyDictionary", "WeakSet", "local"}
@@ -198,6 +201,14 @@ def test_no_host_function_with_a_dozen_loose_arguments():
             n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
             if n > MAX_PARAMETERS:
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n})")
+    assert not bad, bad
+
+
+def test_no_module_over_about_400_lines():
+    """Every module of the package stays near 400 lines (``MAX_MODULE_LINES``): a module past it is split by role,
+    as ``backends/compat/`` and the tl kernels' ``triton_tiles.py`` were."""
+    bad = [f"{path.relative_to(REPO)}: {n} lines" for path in KNOWN.values()
+           if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
     assert not bad, bad
 
 
