@@ -11,10 +11,11 @@ call replaced by a no-op, so what remains is the forward hook, record/plan, the 
               filled, alignment checked per tensor) whose launcher is a no-op. Harness stand-ins, as on a GPU hit
               minus its three CUDA queries (launch hooks, current device, current stream): ``HostCache``.
 
-Printed: µs per call (median of ``--reps`` blocks of ``--n`` calls) of unpatched SDPA fwd+bwd (reference),
-gproj fwd alone and fwd+bwd; the inclusive µs per call of each layer (a perf_counter pair around each, as
-host_breakdown); a cProfile tottime top 25 of the fwd+bwd call. Check there that no interpreter or kernel frame
-is left: the stub removes only the kernel work.
+Printed: µs per call (median of ``--reps`` blocks of ``--n`` calls) of unpatched SDPA fwd+bwd and fwd alone
+(references), gproj fwd alone and fwd+bwd (with their difference from the unpatched call); the inclusive µs per
+call of each layer, forward sub-layers included (a perf_counter pair around each, as host_breakdown); a
+cProfile tottime top 25 of the fwd+bwd call. Check there that no interpreter or kernel frame is left: the stub
+removes only the kernel work.
 
     PYTHONPATH=. python benchmarks/host_cpu.py [--path prepared|interp] [--shape 1,2,128,64] [--n 500] [--reps 5]
         [--json FILE]
@@ -126,14 +127,32 @@ def per_call_us(fn, n, reps):
     return statistics.median(blocks)
 
 
+_MISSING = object()
+#: the first backward layer of ``_layers()`` (the ones before it run in the forward)
+BACKWARD_FIRST = "ops.sdpa._backward (Function body)"
+
+
 #: (owner module, attribute, label) of each layer timed inclusively; indentation shows nesting
 def _layers():
     from gproj_patch.dispatch import router
     from gproj_patch.integrations import sdpa as sdpa_hook
     from gproj_patch.ops import sdpa as ops_sdpa
-    return [(sdpa_hook.sdpa_op, "sdpa", "  ops.sdpa.sdpa (forward hook)"),
-            (ops_sdpa, "run_original_with_lse", "    run_original_with_lse"),
-            (ops_sdpa, "make_plan", "    make_plan"),
+    from gproj_patch.ops import sdpa_call
+    from gproj_patch import policy
+    return [(sdpa_hook, "_well_formed", "    _well_formed (integrations.sdpa wrapper)"),
+            (sdpa_hook.sdpa_op, "sdpa", "    ops.sdpa.sdpa (forward hook)"),
+            (ops_sdpa, "_needs_correction", "      _needs_correction"),
+            (ops_sdpa, "unsupported_reason", "      unsupported_reason"),
+            (ops_sdpa, "transform_reason", "      transform_reason"),
+            (ops_sdpa, "make_context", "      make_context"),
+            (policy, "keeps_original", "      policy.keeps_original"),
+            (ops_sdpa, "problem_for", "      problem_for"),
+            (ops_sdpa._SdpaFunction, "apply", "      _SdpaFunction.apply"),
+            (ops_sdpa._SdpaFunction, "forward", "        _SdpaFunction.forward"),
+            (ops_sdpa, "run_original_with_lse", "          run_original_with_lse"),
+            (sdpa_call._Original, "fn", "            original SDPA (C builtin)"),
+            (sdpa_call, "fused_sdpa_lse", "            fused_sdpa_lse"),
+            (ops_sdpa, "make_plan", "          make_plan"),
             (ops_sdpa, "_backward", "ops.sdpa._backward (Function body)"),
             (ops_sdpa, "backward_tensors", "  backward_tensors"),
             (ops_sdpa, "run_backward", "  router.run_backward"),
@@ -149,6 +168,7 @@ def inclusive(call, q, k, v, do, n):
 
     def wrap(owner, name, label):
         inner = getattr(owner, name)
+        raw = vars(owner).get(name, _MISSING)  # a class attribute (staticmethod, classmethod) restored as it was
 
         def timed(*a, **kw):
             t = time.perf_counter()
@@ -157,7 +177,7 @@ def inclusive(call, q, k, v, do, n):
             finally:
                 totals[label] = totals.get(label, 0.0) + time.perf_counter() - t
         setattr(owner, name, timed)
-        patched.append((owner, name, inner))
+        patched.append((owner, name, raw))
     for _ in range(50):
         call()
     for owner, name, label in _layers():
@@ -172,10 +192,15 @@ def inclusive(call, q, k, v, do, n):
             totals["forward (main thread)"] = totals.get("forward (main thread)", 0.0) + t1 - t
             totals["backward() call (main thread)"] = totals.get("backward() call (main thread)", 0.0) + t2 - t1
     finally:
-        for owner, name, inner in reversed(patched):
-            setattr(owner, name, inner)
-    order = ["forward (main thread)"] + [label for *_, label in _layers()[:3]] + ["backward() call (main thread)"] + \
-        [label for *_, label in _layers()[3:]]
+        for owner, name, raw in reversed(patched):
+            if raw is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, raw)
+    layers = _layers()
+    split = [label for *_, label in layers].index(BACKWARD_FIRST)
+    order = ["forward (main thread)"] + [label for *_, label in layers[:split]] + ["backward() call (main thread)"] + \
+        [label for *_, label in layers[split:]]
     return {label: totals.get(label, 0.0) / n * 1e6 for label in order}
 
 
@@ -202,6 +227,7 @@ def main(argv=None):
     rows = {}
     gproj_patch.disable()
     rows["unpatched fwd+bwd"] = per_call_us(call, args.n, args.reps)
+    rows["unpatched fwd"] = per_call_us(forward, args.n, args.reps)
     with Stubbed(prepared=args.path == "prepared") as stub:
         gproj_patch.enable(mode="gproj", tier="triton")
         try:
@@ -221,7 +247,11 @@ def main(argv=None):
     print(f"host µs per call at {B}·{H}·{S}·{D} causal FP16 CPU, kernels stubbed, path {args.path} "
           f"(median of {args.reps} blocks of {args.n}); tiers {stats.get('tiers', stats)}")
     for name, us in rows.items():
-        print(f"{name:34s} {us:8.1f} {us - base:+9.1f}" if name != "unpatched fwd+bwd" else f"{name:34s} {us:8.1f}")
+        if name.startswith("unpatched"):
+            print(f"{name:34s} {us:8.1f}")
+        else:  # the difference from the unpatched row of the same calls
+            ref = rows["unpatched fwd"] if name == "gproj fwd" else base
+            print(f"{name:34s} {us:8.1f} {us - ref:+9.1f}")
     print("inclusive µs per call (perf_counter around each layer):")
     for name, us in layers.items():
         print(f"  {name:44s} {us:8.1f}")
