@@ -95,17 +95,19 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Op
                 "fused backwards warn or raise there)")
     if attn_mask is not None and is_causal:
         return "attn_mask together with is_causal (the original decides what that means)"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    qs, ks, vs = q.shape, k.shape, v.shape  # read once: each ``.shape``/``.device`` builds a new object
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
         return "inputs are not 4-D (B, H, S, D)"
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+    if not (qs[0] == ks[0] == vs[0]):
         return "broadcast batch dimensions"
-    if k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]:
+    if ks[:3] != vs[:3] or qs[3] != ks[3]:
         return "k and v disagree in (B, H, S) or q and k in head dim (the original decides)"
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+    device = q.device
+    if not (q.dtype == k.dtype == v.dtype) or not (device == k.device == v.device):
         return "q, k, v differ in dtype or device (the original decides)"
-    if q.device.type == "meta":
+    if device.type == "meta":
         return "meta tensors (no values to correct)"
-    if attn_mask is not None and attn_mask.device != q.device:
+    if attn_mask is not None and attn_mask.device != device:
         return "attn_mask on another device than q (the original decides)"
     if attn_mask is not None and attn_mask.requires_grad:
         return "attn_mask requires grad"
