@@ -17,7 +17,7 @@ with ``is_causal``.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -40,7 +40,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 class _SdpaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, record: CallRecord, is_causal: bool, scale, enable_gqa: bool):
+    def forward(ctx, q, k, v, attn_mask, record: CallRecord, call: Tuple[bool, Optional[float], bool]):
+        # call: (is_causal, scale, enable_gqa) as the caller gave them, one argument (each argument of apply
+        # costs host time: torch unwraps and checks it, and the backward returns a gradient slot for it)
+        is_causal, scale, enable_gqa = call
         inner, lse, aliases = run_original_with_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa)
         keep_original = record.context.mode in POLICY_MODES
         out = inner.detach()
@@ -72,7 +75,7 @@ def _backward(ctx, do):
         grads = unpack_grads(pad, run_backward(CallRecord(packed, record.context, record.plan), tensors,
                                                packed_original))
     ctx.inner = None
-    return grads[0], grads[1], grads[2], None, None, None, None, None
+    return grads[0], grads[1], grads[2], None, None, None
 
 
 def unsupported_reason(q, k, v, attn_mask, dropout_p=0.0, is_causal=False) -> Optional[str]:
@@ -179,7 +182,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         return _original_counted(orig, context, query, key, value, attn_mask, is_causal, scale, enable_gqa)
     telemetry.record_forward("patched")
     record = CallRecord(problem_for(query, key, attn_mask, is_causal, scale), context)
-    return _SdpaFunction.apply(query, key, value, attn_mask, record, bool(is_causal), scale, bool(enable_gqa))
+    return _SdpaFunction.apply(query, key, value, attn_mask, record, (bool(is_causal), scale, bool(enable_gqa)))
 
 
 def _original_counted(orig, context, query, key, value, attn_mask, is_causal, scale, enable_gqa):
