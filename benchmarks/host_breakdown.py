@@ -19,21 +19,18 @@ then a cProfile (tottime) of the prepared call. ``bind`` turns the prepared laun
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import io
 import json
 import os
-import pstats
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import host_cpu  # noqa: E402  (per_call_us, inclusive, tottime_profile: the CPU harness's, with CUDA syncs)
 import gproj_patch  # noqa: E402
 from gproj_patch.backends import launch_cache, triton_bwd, triton_launch  # noqa: E402
 from gproj_patch.backends.spec import MaskSpec  # noqa: E402
@@ -42,18 +39,9 @@ CAUSAL = MaskSpec(causal=True, causal_align="top_left", window=(-1, -1), softcap
 
 
 def per_call_us(fn, n, reps):
-    """Median over ``reps`` blocks of µs per call of ``fn`` (``n`` calls a block, one synchronize a block)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    blocks = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        blocks.append((time.perf_counter() - t) / n * 1e6)
-    return statistics.median(blocks)
+    """Median over ``reps`` blocks of µs per call of ``fn`` (20 warm-up calls, ``n`` calls a block, one synchronize
+    a block): ``host_cpu.per_call_us`` with CUDA synchronizes."""
+    return host_cpu.per_call_us(fn, n, reps, warm=20, sync=torch.cuda.synchronize)
 
 
 def collections_per_1000(fn):
@@ -77,49 +65,14 @@ class Frozen:
         gc.unfreeze()
 
 
-def instrumented(call, q, do, n):
-    """Inclusive µs per call of the hooked call's forward and backward halves and of the backward's layers (each
-    wrapped in a perf_counter pair, on whatever thread runs it), gproj mode, prepared launches."""
-    from gproj_patch.dispatch import router
-    from gproj_patch.ops import sdpa as ops_sdpa
-    totals = {}
-
-    def wrap(owner, name, label):
-        inner = getattr(owner, name)
-
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                totals[label] = totals.get(label, 0.0) + time.perf_counter() - t
-        setattr(owner, name, timed)
-        return owner, name, inner
+def instrumented(call, q, k, v, do, n):
+    """Inclusive µs per call of the hooked call's forward and backward halves and of their layers, gproj mode,
+    prepared launches: ``host_cpu.inclusive`` (its ``_layers()``) with CUDA synchronizes."""
     gproj_patch.enable(mode="gproj")
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    patched = [wrap(ops_sdpa, "_backward", "ops.sdpa._backward (Function body)"),
-               wrap(ops_sdpa, "backward_tensors", "  backward_tensors"),
-               wrap(ops_sdpa, "run_backward", "  router.run_backward"),
-               wrap(router, "_run_kernel", "    router._run_kernel"),
-               wrap(triton_bwd, "launch_planned", "      triton_bwd.launch_planned"),
-               wrap(triton_bwd, "_launch", "        triton_bwd._launch (launches)")]
     try:
-        for _ in range(n):
-            t = time.perf_counter()
-            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-            t1 = time.perf_counter()
-            out.backward(do)
-            t2 = time.perf_counter()
-            totals["forward (main thread)"] = totals.get("forward (main thread)", 0.0) + t1 - t
-            totals["backward() call (main thread)"] = totals.get("backward() call (main thread)", 0.0) + t2 - t1
-        torch.cuda.synchronize()
+        return host_cpu.inclusive(call, q, k, v, do, n, sync=torch.cuda.synchronize)
     finally:
-        for owner, name, inner in patched:
-            setattr(owner, name, inner)
         gproj_patch.disable()
-    return {k: v / n * 1e6 for k, v in sorted(totals.items(), key=lambda kv: "0" + kv[0] if "main" in kv[0] else kv[0])}
 
 
 def engine_rows(q, do, n, reps):
@@ -251,25 +204,20 @@ def main():
             torch.empty((B * H, S), dtype=torch.float32, device="cuda")
     rows["6 allocations"] = per_call_us(allocations, args.n, args.reps)
 
-    inclusive = instrumented(call, q, do, args.n)
+    inclusive = instrumented(call, q, k, v, do, args.n)
     rows.update(engine_rows(q, do, args.n, args.reps))
 
     gproj_patch.enable(mode="gproj")
-    with cProfile.Profile() as profile:  # 200 prepared calls
-        for _ in range(200):
-            call()
-        torch.cuda.synchronize()
+    profile = host_cpu.tottime_profile(call, 200, 25, sync=torch.cuda.synchronize)  # 200 prepared calls
     gproj_patch.disable()
-    buf = io.StringIO()
-    pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(25)
-    print(buf.getvalue())
+    print(profile)
 
     base = rows["unpatched fwd+bwd"]
     print(f"host µs per call at {B}·{H}·{S}·{D} causal (median of {args.reps} blocks of {args.n}); tiers {stats}")
     print(f"{'what':32s} {'µs':>8s} {'over unpatched':>15s}")
     for name, us in rows.items():
         print(f"{name:32s} {us:8.1f} {us - base:+15.1f}" if "fwd" in name else f"{name:32s} {us:8.1f}")
-    print("inclusive host µs per call of the backward's layers (perf_counter around each, gproj prepared):")
+    print("inclusive host µs per call of the call's layers (perf_counter around each, gproj prepared):")
     for name, us in inclusive.items():
         print(f"  {name:40s} {us:8.1f}")
     print(f"prepared launches: {launch_cache.PREPARED.hits} hits, {launch_cache.PREPARED.misses} misses")
@@ -277,7 +225,7 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
-            json.dump(dict(shape=[B, H, S, D], rows=rows, inclusive=inclusive, gc_per_1000=gc_per_1000, profile=buf.getvalue()), f, indent=1)
+            json.dump(dict(shape=[B, H, S, D], rows=rows, inclusive=inclusive, gc_per_1000=gc_per_1000, profile=profile), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -114,17 +114,35 @@ class Stubbed:
             setattr(owner, name, value)
 
 
-def per_call_us(fn, n, reps):
-    """Median over ``reps`` blocks of µs per call of ``fn`` (``n`` calls a block)."""
-    for _ in range(50):
+def _no_sync():
+    return None
+
+
+def per_call_us(fn, n, reps, *, warm=50, sync=_no_sync):
+    """Median over ``reps`` blocks of µs per call of ``fn`` (``warm`` calls first, ``n`` calls a block; ``sync()``
+    after the warm-up and after each block — ``torch.cuda.synchronize`` in ``host_breakdown``)."""
+    for _ in range(warm):
         fn()
+    sync()
     blocks = []
     for _ in range(reps):
         t = time.perf_counter()
         for _ in range(n):
             fn()
+        sync()
         blocks.append((time.perf_counter() - t) / n * 1e6)
     return statistics.median(blocks)
+
+
+def tottime_profile(fn, calls, top, *, sync=_no_sync) -> str:
+    """cProfile's table (sorted by tottime, the first ``top`` rows) of ``calls`` calls of ``fn`` and a ``sync()``."""
+    with cProfile.Profile() as profile:
+        for _ in range(calls):
+            fn()
+        sync()
+    buf = io.StringIO()
+    pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
 
 
 _MISSING = object()
@@ -161,8 +179,9 @@ def _layers():
             (triton_bwd, "_launch", "        triton_bwd._launch (launches)")]
 
 
-def inclusive(call, q, k, v, do, n):
-    """Inclusive µs per call of the forward and backward halves and of each layer of ``_layers()``."""
+def inclusive(call, q, k, v, do, n, *, sync=_no_sync):
+    """Inclusive µs per call of the forward and backward halves and of each layer of ``_layers()`` (each wrapped in
+    a perf_counter pair, on whatever thread runs it); ``sync()`` after the warm-up and after the timed calls."""
     totals = {}
     patched = []
 
@@ -180,6 +199,7 @@ def inclusive(call, q, k, v, do, n):
         patched.append((owner, name, raw))
     for _ in range(50):
         call()
+    sync()
     for owner, name, label in _layers():
         wrap(owner, name, label)
     try:
@@ -191,6 +211,7 @@ def inclusive(call, q, k, v, do, n):
             t2 = time.perf_counter()
             totals["forward (main thread)"] = totals.get("forward (main thread)", 0.0) + t1 - t
             totals["backward() call (main thread)"] = totals.get("backward() call (main thread)", 0.0) + t2 - t1
+        sync()
     finally:
         for owner, name, raw in reversed(patched):
             if raw is _MISSING:
@@ -235,14 +256,10 @@ def main(argv=None):
             rows["gproj fwd+bwd"] = per_call_us(call, args.n, args.reps)
             stats = gproj_patch.stats()
             layers = inclusive(call, q, k, v, do, args.n)
-            with cProfile.Profile() as profile:
-                for _ in range(args.n):
-                    call()
+            profile = tottime_profile(call, args.n, 25)
         finally:
             gproj_patch.disable()
-    buf = io.StringIO()
-    pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(25)
-    print(buf.getvalue())
+    print(profile)
     base = rows["unpatched fwd+bwd"]
     print(f"host µs per call at {B}·{H}·{S}·{D} causal FP16 CPU, kernels stubbed, path {args.path} "
           f"(median of {args.reps} blocks of {args.n}); tiers {stats.get('tiers', stats)}")
@@ -259,7 +276,7 @@ def main(argv=None):
         print(f"prepared launches (stand-in cache): {stub.cache.hits} hits, {stub.cache.misses} misses")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(shape=[B, H, S, D], path=args.path, rows=rows, layers=layers, profile=buf.getvalue()), f,
+            json.dump(dict(shape=[B, H, S, D], path=args.path, rows=rows, layers=layers, profile=profile), f,
                       indent=1)
     return rows, layers
 

@@ -16,11 +16,8 @@ function per arm (enable/disable changes what Dynamo traces); Dynamo's graph and
 reported — the patch must compile each arm once (issue 19, item 1).
 """
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import time
 import types
@@ -30,6 +27,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import gproj_patch
+import host_cpu  # tottime_profile (benchmarks/ is on sys.path: this script's folder, or speed_run's)
 
 ARMS = ("unpatched", "gproj", "auto")
 # (B, H, S, D, causal[, KV heads]): the issue-11 shapes, GQA last
@@ -67,15 +65,7 @@ def host_time(mode, n=300, compile_=False):
     us = (time.perf_counter() - t) / n * 1e6
     profile = ""
     if mode != "unpatched" and not compile_:
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(100):
-            step()
-        torch.cuda.synchronize()
-        pr.disable()
-        buf = io.StringIO()
-        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(12)
-        profile = buf.getvalue()
+        profile = host_cpu.tottime_profile(step, 100, 12, sync=torch.cuda.synchronize)
     return us, profile
 
 
