@@ -286,9 +286,9 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, sink: Optional[torch.Tensor] = None,
                     **varlen_and_options):
-    """``gproj_backward`` for inputs its caller already checked (the router runs a call's plan here: support
-    and the KV-major kernel were decided at the forward, ``plan.py``). Decides nothing: the kernels run where
-    the tensors are (compiled on CUDA, interpreted on CPU) with ``kv_major`` as given ("tl" when not given).
+    """``gproj_backward`` for inputs its caller already checked, options by keyword (tests and benchmarks; the
+    router runs a call's plan through ``launch_planned``). Decides nothing: the kernels run where the tensors are
+    (compiled on CUDA, interpreted on CPU) with ``kv_major`` as given ("tl" when not given).
     ``varlen_and_options``: the keywords of ``spec.Varlen`` and of ``KernelOptions``."""
     varlen_kw, option_kw = split_keywords("launch_backward", varlen_and_options, VARLEN_KWARGS, KERNEL_OPTIONS)
     options = KernelOptions(**{"kv_major": "tl", **option_kw})
