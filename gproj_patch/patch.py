@@ -14,6 +14,7 @@ from .runtime import config as _config
 from .runtime import state as _state_module
 from .runtime import telemetry as _telemetry
 from .runtime.import_hooks import call_after_import as _call_after_import
+from .runtime.import_hooks import imported as _imported
 
 if TYPE_CHECKING:  # annotations only: the package does not import torch at import time
     import torch
@@ -22,7 +23,15 @@ if TYPE_CHECKING:  # annotations only: the package does not import torch at impo
 def _register_kernel_op() -> None:
     """Define ``torch.ops.gproj.attention_backward`` (the GProj kernel as an op). This package never imports
     torch itself at import time (the GPROJ_PATCH=1 start-up hook imports it in every process): the op is
-    defined now if torch is loaded, else right after torch is imported."""
+    defined now if torch is loaded, else right after torch is imported.
+
+    When a module of this package is what imported torch (``import gproj_patch.backends.spec`` before torch),
+    torch's import ends inside that module's: loading ``backends/ops.py`` then would meet it half initialized.
+    The op waits for the end of that import instead (and again for the next one still running)."""
+    running = [name for name in list(sys.modules) if name.startswith("gproj_patch.") and not _imported(name)]
+    if running:
+        _call_after_import(running[-1], _register_kernel_op)
+        return
     from .backends import ops  # noqa: F401
 
 

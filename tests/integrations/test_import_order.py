@@ -266,12 +266,15 @@ def test_import_that_bypasses_the_watcher_fires_at_the_next_import(modules):
 
 
 @pytest.mark.parametrize("first", ["gproj_patch.backends.gluon_bwd", "gproj_patch.backends.triton_bwd",
-                                   "gproj_patch.dispatch.router"])
+                                   "gproj_patch.dispatch.router", "gproj_patch.backends.spec",
+                                   "gproj_patch.backends.launch_cache", "gproj_patch.backends.compat",
+                                   "gproj_patch.backends.compat.errors"])
 def test_backend_module_imported_before_torch_registers_the_op(first):
     """Importing a backend module first — torch then comes in through it, and torch's after-import hook loads
     ``backends/ops.py`` (and with it ``triton_bwd``) while that module is half initialized — must still register
     ``torch.ops.gproj.attention_backward`` with no failed callback (a module-level gluon_bwd ↔ triton_bwd import
-    made the hook fail for ``gluon_bwd`` first)."""
+    made the hook fail for ``gluon_bwd`` first; ``spec``, ``launch_cache`` and ``compat``, which ``triton_bwd``
+    imports by name, made it fail until the op waited for the end of the running import)."""
     import os
     import subprocess
     root = str(REPO)
