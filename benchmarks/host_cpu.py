@@ -68,9 +68,9 @@ class HostCache(launch_cache.LaunchCache):
     """``LaunchCache.launch`` on CPU tensors: a hit replays a ``Prepared`` (real class, real ``replay``) whose
     launcher is ``_no_launch``; a miss builds it from ``arguments()`` like ``launch_cache._prepare``."""
 
-    def launch(self, fn, key, grid, tensors, arguments):
+    def launch(self, fn, key, grid, device, slots, arguments):
         entry = self.get(key) if key is not None else None
-        if entry is not None and entry.replay(tensors(), 0):
+        if entry is not None and entry.replay(slots(), 0):
             self.hits += 1
             return entry.kernel
         args = arguments()

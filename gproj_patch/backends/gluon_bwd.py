@@ -17,7 +17,8 @@ with a contiguous last dimension and 16-byte-aligned base and strides (TMA); Sq 
 
 Host cost per launch: everything but the tensors' addresses depends on the call's shape class (shapes,
 strides, dtype, mask, config), cached (``_launch_class``: grid, scalars, the TMA descriptors validated once by
-Gluon's constructor); a call binds its tensors into those templates (``_bound``).
+Gluon's constructor); a call binds its tensors into those templates (``_bound``) and replays the class's prepared
+launch (``launch_cache``: Triton's launcher called directly, no argument binding).
 
 ``gluon_entry.gluon_backward`` (``gproj_backward(..., kv_major="gluon")``) runs it explicitly (tests, benchmarks; ValueError where
 ``kv_major_reason`` refuses the call). This module imports nothing from ``triton_bwd`` (no import cycle).
@@ -35,6 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 from .compat import gluon_unsupported_reason
+from .launch_cache import PREPARED
 
 #: why the Gluon kernel cannot run in this process at all (None when it can): a Triton release it was not
 #: checked against (``compat.GLUON_CHECKED_TRITON``), or Gluon's Hopper API missing
@@ -198,9 +200,11 @@ FAST_DESCRIPTORS = _fast_descriptors()
 
 def _bound(template: "TensorDescriptor", base: torch.Tensor) -> "TensorDescriptor":
     """``template`` (validated at construction) over ``base``: what the constructor would build, checking the one
-    thing that varies per call, the base address's TMA alignment."""
+    thing that varies per call, the base address's TMA alignment. A base off the 16-byte grid (a gradient handed
+    to ``backward`` as a view at an odd offset: the plan checked q, k, v at the forward, never dO) is read from an
+    aligned copy with the same strides instead of failing the backward."""
     if base.data_ptr() % TMA_ALIGN_BYTES != 0:
-        raise ValueError(f"launch_dkdv: a base not {TMA_ALIGN_BYTES}-byte aligned (TMA)")
+        base = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=base.device).copy_(base)
     if not FAST_DESCRIPTORS:  # pragma: no cover - another TensorDescriptor: its constructor validates again
         return replace(template, base=base)
     d = object.__new__(TensorDescriptor)
@@ -262,23 +266,27 @@ def _launch_class(q_shape, q_strides, k_shape, kv_strides, do_strides, dkdv_stri
                         rows=_row_template(B * H, SQ, cfg.block_m), scalars=scalars)
 
 
-def _launch_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor, cfg: KernelConfig):
-    """(grid, ``dkdv_arguments``): the shape class from the cache, the call's tensors bound into it."""
+def _class_key(job, cfg: KernelConfig) -> tuple:
+    """What the launch of ``job`` takes from its shape class (``_launch_class``'s arguments): shapes, strides,
+    dtype, mask, scale and config. Refuses a job ``kv_major_reason`` would have refused (ValueError)."""
     left, right = job.window
     if left >= 0 or right > 0 or job.varlen or not (job.correct and job.fused):
         raise ValueError("launch_dkdv: a window, varlen, or uncorrected/two-product job (kv_major_reason)")
-    q, k, v, do, dk, dv = job.q, job.k, job.v, job.do, job.dk, job.dv
-    cls = _launch_class(q.shape, q.stride(), k.shape, (k.stride(), v.stride()), do.stride(),
-                        (dk.stride(), dv.stride()), q.dtype, right == 0, job.bottom_right, job.alpha, cfg)
+    q, k = job.q, job.k
+    return (q.shape, q.stride(), k.shape, (k.stride(), job.v.stride()), job.do.stride(),
+            (job.dk.stride(), job.dv.stride()), q.dtype, right == 0, job.bottom_right, job.alpha, cfg)
+
+
+def _slot_values(job, cls: _LaunchClass, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor) -> dict:
+    """The call's own arguments: its tensors bound into the class's descriptor templates, and dk, dv."""
     rows = cls.rows.shape[0] * cls.rows.shape[1]
     for x in (delta, lse2, lam):  # the contiguous fp32 (B·H, Sq) scratch the row template addresses
         if x.numel() != rows or not x.is_contiguous():
             raise ValueError(f"launch_dkdv: the per-row scratch must be a contiguous (B·H, Sq) buffer of {rows}")
     tq, tk, tv, tdo = cls.tiles
-    return cls.grid, {
-        "q_desc": _bound(tq, q), "k_desc": _bound(tk, k), "v_desc": _bound(tv, v), "do_desc": _bound(tdo, do),
-        "lse2_desc": _bound(cls.rows, lse2), "delta_desc": _bound(cls.rows, delta),
-        "lam_desc": _bound(cls.rows, lam), "DK": dk, "DV": dv, **cls.scalars}
+    return {"q_desc": _bound(tq, job.q), "k_desc": _bound(tk, job.k), "v_desc": _bound(tv, job.v),
+            "do_desc": _bound(tdo, job.do), "lse2_desc": _bound(cls.rows, lse2),
+            "delta_desc": _bound(cls.rows, delta), "lam_desc": _bound(cls.rows, lam), "DK": job.dk, "DV": job.dv}
 
 
 def dkdv_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor, cfg: KernelConfig) -> dict:
@@ -286,12 +294,26 @@ def dkdv_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tens
     ``triton_launch.Launch`` that ``kv_major_reason`` accepted) and the dQ-major launch's fp32 (B·H, Sq) scratch
     D, base-2 LSE and λ. Pure host work: ``benchmarks/gluon_check.py --compile-only`` compiles from it on a CPU.
     Per call only the tensors are bound: the rest comes from the shape class's cache (``_launch_class``)."""
-    return _launch_arguments(job, delta, lse2, lam, cfg)[1]
+    cls = _launch_class(*_class_key(job, cfg))
+    return {**_slot_values(job, cls, delta, lse2, lam), **cls.scalars}
 
 
 def launch_dkdv(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor,
                 config: Optional[KernelConfig] = None):
     """The KV-major launch of ``job`` (``dkdv_arguments``): dk, dv. Returns the compiled kernel (its registers and
-    spills land in ``triton_bwd.LAST_KERNELS["dkdv"]``)."""
-    grid, args = _launch_arguments(job, delta, lse2, lam, config or CONFIGS[job.q.shape[-1]])
-    return _gk._dkdv_kernel[grid](**args, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    spills land in ``triton_bwd.LAST_KERNELS["dkdv"]``). A shape class launched before replays its prepared
+    launch (``launch_cache``: the descriptors and dk, dv are the slots; no argument binding), keyed by the class
+    and the device."""
+    cfg = config or CONFIGS[job.q.shape[-1]]
+    key = _class_key(job, cfg)
+    cls = _launch_class(*key)
+    fn = _gk._dkdv_kernel
+
+    def slots() -> dict:
+        return _slot_values(job, cls, delta, lse2, lam)
+
+    def arguments() -> dict:
+        return {**slots(), **cls.scalars, "num_warps": NUM_WARPS, "maxnreg": MAXNREG}
+
+    device = job.q.device.index
+    return PREPARED.launch(fn, ("gluon", id(fn), device) + key, cls.grid, device, slots, arguments)

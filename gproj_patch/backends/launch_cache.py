@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -35,22 +35,26 @@ TRITON_PTR_ALIGN = 16
 @dataclass(frozen=True, eq=False)
 class Prepared:
     """One compiled launch ready to replay: the kernel (for its register counts), its launcher, the grid, the
-    arguments in signature order (tensor slots None) and the slots' (position, parameter name)."""
+    arguments in signature order (slots None) and the slots' (position, parameter name). A slot holds a call's
+    tensor, or a call's TMA descriptor (Gluon: the launcher builds the CUtensorMap from it at every launch)."""
     kernel: object
     go: Callable
     grid: Tuple[int, int, int]
     template: tuple
     slots: Tuple[Tuple[int, str], ...]
-    aligned: Tuple[bool, ...]  # each slot's tensor 16-byte aligned when the kernel was specialized
+    # each tensor slot's 16-byte alignment when the kernel was specialized; None for a descriptor slot (Triton
+    # does not specialize on a descriptor's base; its TMA alignment is the caller's check, gluon_bwd._bound)
+    aligned: Tuple[Optional[bool], ...]
 
-    def replay(self, tensors: Dict[str, torch.Tensor], stream: int) -> bool:
-        """Launch with these tensors; False (nothing launched) when one's alignment differs from the template's."""
+    def replay(self, values: Dict[str, Any], stream: int) -> bool:
+        """Launch with these slot values; False (nothing launched) when a tensor's alignment differs from the
+        template's."""
         args = list(self.template)
         for (pos, name), was_aligned in zip(self.slots, self.aligned):
-            t = tensors[name]
-            if (t.data_ptr() % TRITON_PTR_ALIGN == 0) != was_aligned:
+            x = values[name]
+            if was_aligned is not None and (x.data_ptr() % TRITON_PTR_ALIGN == 0) != was_aligned:
                 return False
-            args[pos] = t
+            args[pos] = x
         self.go(self.grid[0], self.grid[1], self.grid[2], stream, args)
         return True
 
@@ -87,34 +91,34 @@ class LaunchCache:
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
-    def launch(self, fn, key: Optional[Hashable], grid: Tuple[int, int, int],
-               tensors: Callable[[], Dict[str, torch.Tensor]], arguments: Callable[[], dict]):
-        """Launch ``fn`` (a compiled-mode ``JITFunction``) on ``grid``: a replay of the ``Prepared`` launch of
-        ``key`` when there is one, else ``fn[grid](**arguments())`` recorded under ``key``. ``tensors()`` gives
-        the call's tensor arguments by parameter name, ``arguments()`` every keyword argument (tensors included;
-        only called on a miss). ``key`` None: Triton's own path, nothing recorded. Returns the compiled kernel."""
+    def launch(self, fn, key: Optional[Hashable], grid: Tuple[int, int, int], device: int,
+               slots: Callable[[], Dict[str, Any]], arguments: Callable[[], dict]):
+        """Launch ``fn`` (a compiled-mode ``JITFunction``) on ``grid`` on CUDA device ``device``: a replay of the
+        ``Prepared`` launch of ``key`` when there is one, else ``fn[grid](**arguments())`` recorded under ``key``.
+        ``slots()`` gives the call's own arguments by parameter name (its tensors, or its TMA descriptors),
+        ``arguments()`` every keyword argument (slots included; only called on a miss). ``key`` None: Triton's
+        own path, nothing recorded. Returns the compiled kernel."""
         replayable = key is not None and not launch_hooks_set()
         if replayable:
             entry = self.get(key)
-            if entry is not None:
-                ts = tensors()
-                device = next(iter(ts.values())).device.index
-                if device == torch.cuda.current_device() and entry.replay(ts, current_cuda_stream(device)):
+            if entry is not None and device == torch.cuda.current_device():
+                if entry.replay(slots(), current_cuda_stream(device)):
                     self.hits += 1
                     return entry.kernel
         args = arguments()
         kernel = fn[grid](**args)
         if replayable:
             self.misses += 1
-            entry = _prepare(fn, kernel, grid, args)
+            entry = _prepare(fn, kernel, grid, args, frozenset(slots()))
             if entry is not None:
                 self.put(key, entry)
         return kernel
 
 
-def _prepare(fn, kernel, grid, args: dict) -> Optional[Prepared]:
-    """The ``Prepared`` form of a launch just made with ``args`` (None where it cannot be replayed: a Triton
-    whose launcher is not the checked one, an argument the call left to its default, a tensor not on CUDA)."""
+def _prepare(fn, kernel, grid, args: dict, slot_names: frozenset) -> Optional[Prepared]:
+    """The ``Prepared`` form of a launch just made with ``args``, the arguments ``slot_names`` left open (None
+    where it cannot be replayed: a Triton whose launcher is not the checked one, an argument the call left to its
+    default, a tensor not on CUDA, a tensor argument outside the slots)."""
     go = compiled_launcher(kernel)
     names = getattr(fn, "arg_names", None)
     if go is None or names is None or any(n not in args for n in names):
@@ -122,12 +126,15 @@ def _prepare(fn, kernel, grid, args: dict) -> Optional[Prepared]:
     template, slots, aligned = [], [], []
     for pos, name in enumerate(names):
         value = args[name]
-        if isinstance(value, torch.Tensor):
-            if value.device.type != "cuda":
-                return None
+        is_tensor = isinstance(value, torch.Tensor)
+        if is_tensor and value.device.type != "cuda":
+            return None
+        if name in slot_names:
             slots.append((pos, name))
-            aligned.append(value.data_ptr() % TRITON_PTR_ALIGN == 0)
+            aligned.append(value.data_ptr() % TRITON_PTR_ALIGN == 0 if is_tensor else None)
             template.append(None)
+        elif is_tensor:  # a tensor kept in the template would outlive its call: never
+            return None
         else:
             template.append(value)
     return Prepared(kernel=kernel, go=go, grid=tuple(int(g) for g in grid), template=tuple(template),

@@ -181,13 +181,18 @@ def test_shape_class_cache_is_bounded_and_keeps_no_tensor():
 
 
 @needs_gluon
-def test_launch_arguments_refuse_what_tma_cannot_address():
-    """An unaligned base (checked every call, as the constructor does) and a scratch that is not the
-    contiguous (B·H, Sq) buffer are refused with a reason, not launched."""
-    base = torch.empty(1 * 4 * 96 * 128 + 1, dtype=torch.bfloat16)
-    job, f = _job(q=base[1:].view(1, 4, 96, 128))  # 2-byte offset
-    with pytest.raises(ValueError, match="aligned"):
-        gluon_bwd.dkdv_arguments(job, f, f, f, gluon_bwd.CONFIGS[128])
+def test_launch_arguments_copy_an_unaligned_base_and_refuse_a_bad_scratch():
+    """An input whose base is off TMA's 16-byte grid (a dO handed to backward at an odd offset: the plan never saw
+    it) is read from an aligned copy with the same values and strides, not refused in the backward; a scratch
+    that is not the contiguous (B·H, Sq) buffer is refused with a reason, not launched."""
+    base = torch.randn(1 * 4 * 96 * 128 + 1).to(torch.bfloat16)
+    q = base[1:].view(1, 4, 96, 128)  # 2-byte offset
+    job, f = _job(q=q)
+    args = gluon_bwd.dkdv_arguments(job, f, f, f, gluon_bwd.CONFIGS[128])
+    copy = args["q_desc"].base
+    assert q.data_ptr() % 16 != 0 and copy.data_ptr() % 16 == 0
+    assert copy.stride() == q.stride() and torch.equal(copy, q)
+    assert args["k_desc"].base is job.k  # aligned inputs are bound as they are
     job, f = _job()
     with pytest.raises(ValueError, match="scratch"):
         gluon_bwd.dkdv_arguments(job, f.t(), f, f, gluon_bwd.CONFIGS[128])

@@ -142,14 +142,58 @@ def test_interpreted_launches_are_never_prepared(monkeypatch):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _cuda_call(layout="bhsd", offset=0, seed=0, **kw):
-    do, q, k, v, o, lse = _tensors(B=2, H=4, HKV=2, SQ=200, SK=200, D=64, dtype=torch.bfloat16, layout=layout,
+def _moved(x, offset):
+    """``x``'s values ``offset`` elements into a larger buffer: its data pointer alignment changes."""
+    buf = torch.empty(x.numel() + offset, dtype=x.dtype, device=x.device)
+    return buf[offset:].view(x.shape).copy_(x)
+
+
+def _cuda_call(layout="bhsd", offset=0, seed=0, D=64, do_offset=0, **kw):
+    do, q, k, v, o, lse = _tensors(B=2, H=4, HKV=2, SQ=200, SK=200, D=D, dtype=torch.bfloat16, layout=layout,
                                    device="cuda", seed=seed)
-    if offset:  # q moved by ``offset`` elements inside a larger buffer: its data pointer alignment changes
-        buf = torch.empty(q.numel() + offset, dtype=q.dtype, device="cuda")
-        q = buf[offset:].view(q.shape).copy_(q)
-    lse = torch.logsumexp((q.float() @ k.float().repeat_interleave(2, 1).transpose(-1, -2)) * 64 ** -0.5, -1)
+    if offset:
+        q = _moved(q, offset)
+    if do_offset:
+        do = _moved(do.contiguous(), do_offset)
+    lse = torch.logsumexp((q.float() @ k.float().repeat_interleave(2, 1).transpose(-1, -2)) * D ** -0.5, -1)
     return triton_bwd.launch_backward(do, q, k, v, o, lse, **{**CAUSAL, **kw})
+
+
+def _gluon_reason():
+    from gproj_patch.backends import gluon_bwd
+    if gluon_bwd.UNAVAILABLE_REASON is not None:
+        return gluon_bwd.UNAVAILABLE_REASON
+    return None if torch.cuda.get_device_capability() == gluon_bwd.GLUON_CAPABILITY else "not sm_90"
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_replay_is_bitwise_the_bound_launch(D):
+    """The Gluon KV-major launch replays too (its TMA descriptors are the slots): bitwise the bound launch, the
+    same for other values of the class, and a dO at an odd offset (read from an aligned copy) gives the same
+    bits as the aligned one."""
+    if _gluon_reason() is not None:
+        pytest.skip(_gluon_reason())
+    launch_cache.PREPARED.clear()
+    bound = _cuda_call(D=D, kv_major="gluon")
+    assert launch_cache.PREPARED.misses == 2 and launch_cache.PREPARED.hits == 0
+    replayed = _cuda_call(D=D, kv_major="gluon")
+    assert launch_cache.PREPARED.hits == 2
+    for a, b in zip(bound, replayed):
+        assert torch.equal(a, b)
+    other = _cuda_call(D=D, kv_major="gluon", seed=3)
+    assert launch_cache.PREPARED.hits == 4
+    launch_cache.PREPARED.clear()
+    fresh = _cuda_call(D=D, kv_major="gluon", seed=3)
+    for a, b in zip(other, fresh):
+        assert torch.equal(a, b)
+    odd = _cuda_call(D=D, kv_major="gluon", do_offset=1)
+    for a, b in zip(bound, odd):
+        assert torch.equal(a, b)
+    tl = _cuda_call(D=D, kv_major="tl")  # the same contract in the same order: bitwise the tl launch
+    for a, b in zip(bound, tl):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
