@@ -84,7 +84,8 @@ python3 -c "import torch; print('torch', torch.__version__, torch.version.git_ve
 
 keep_first_half() {
     mkdir -p "$PARTS"
-    cp .whl/ext1/*.whl .whl/ext1/*.part-* .whl/ext1/SHA256SUMS "$PARTS"/ || { echo "carry .whl/ext1"; return 3; }
+    # the joined wheel's SHA256SUMS travels in .whl/ext2 (install_fa4 checks it there)
+    cp .whl/ext1/*.whl .whl/ext1/*.part-* "$PARTS"/ || { echo "carry .whl/ext1"; return 3; }
 }
 
 case "$stage" in
