@@ -36,6 +36,7 @@ from ..backends.compat import assume_constant_result, flex_identity_score_mod
 from ..runtime.config import Config
 from ..dispatch.plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
 from ..dispatch.record import CallRecord, Context, make_context
+from ..backends.compat import CUDAGRAPH_UNSAFE_TAGS
 from ..runtime.state import STATE
 from .flex_call import OWN_FORWARD, SOURCE, Caller, problem_for, routed_backward, unsupported_reason
 from .flex_masks import (INCONSISTENT, NO_MASK, BlockMaps, BlockStructure, MaskVerdict, Rows, classify,
@@ -94,7 +95,7 @@ class FlexCompiledCall:
     mask_error: Optional[str] = None
 
 
-@torch.library.custom_op("gproj::flex_context", mutates_args=())
+@torch.library.custom_op("gproj::flex_context", mutates_args=(), tags=CUDAGRAPH_UNSAFE_TAGS)
 def _flex_context(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lo: Optional[Tensor],
                   hi: Optional[Tensor], cnt: Optional[Tensor], violation: Optional[Tensor], scale: Optional[float],
                   softcap: float, layer: str, mode: str) -> Tensor:
@@ -124,7 +125,7 @@ def _(q, k, v, out, lse, lo, hi, cnt, violation, scale, softcap, layer, mode):
     return torch.empty(1, dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("gproj::flex_bwd", mutates_args=())
+@torch.library.custom_op("gproj::flex_bwd", mutates_args=(), tags=CUDAGRAPH_UNSAFE_TAGS)
 def _flex_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Tensor,
               lo: Optional[Tensor], hi: Optional[Tensor], cnt: Optional[Tensor], violation: Optional[Tensor],
               scale: Optional[float], softcap: float) -> Tuple[Tensor, Tensor, Tensor]:

@@ -26,6 +26,7 @@ from ..runtime.config import Config
 from ..dispatch.plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
 from ..dispatch.record import CallRecord, Context, Problem, make_context
 from ..dispatch.router import run_backward
+from ..backends.compat import CUDAGRAPH_UNSAFE_TAGS
 from ..runtime.state import STATE
 from ..runtime import telemetry
 from .sdpa_call import backward_tensors, problem_for
@@ -96,7 +97,7 @@ def _recomputed_lse(q, k, attn_mask, is_causal, problem: Problem) -> Tensor:
     return lse_fp32(q, k, attn_mask, is_causal, problem.scale)
 
 
-@torch.library.custom_op("gproj::sdpa_fwd", mutates_args=())
+@torch.library.custom_op("gproj::sdpa_fwd", mutates_args=(), tags=CUDAGRAPH_UNSAFE_TAGS)
 def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
               scale: Optional[float], enable_gqa: bool, layer: str, mode: str) -> Tuple[Tensor, Tensor, Tensor]:
     result = fused_forward(q, k, v, attn_mask, is_causal, scale, enable_gqa)
@@ -150,7 +151,7 @@ def _(q, k, v, attn_mask, is_causal, scale, enable_gqa, layer, mode):
     return out, lse, torch.empty(1, dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("gproj::sdpa_bwd", mutates_args=())
+@torch.library.custom_op("gproj::sdpa_bwd", mutates_args=(), tags=CUDAGRAPH_UNSAFE_TAGS)
 def _sdpa_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor],
               aux: Tensor, is_causal: bool, scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
     call = STATE.compiled_call(int(aux[0]))

@@ -11,6 +11,7 @@ Imports of triton, transformers and flash-attn happen inside the functions: this
 | ``fused_sdpa_lse(grad_fn)`` | ``ScaledDotProduct{Cudnn,Flash,FlashForCpu,Efficient}AttentionBackward0`` and their ``_saved_logsumexp`` / ``_saved_log_sumexp`` | torch 2.11, 2.13 | SDPA hook |
 | ``overrides_torch_function(cls)`` | ``torch._C._disabled_torch_function_impl`` (a subclass that opted out of ``__torch_function__``) | torch 2.11, 2.13 | SDPA hook |
 | ``functorch_transform_active()``, ``forward_ad_active()``, ``saved_tensors_hooks_enabled()``, ``saved_tensors_default_hooks_active()``, ``graph_task_id()``, ``delayed_error(message, outputs)`` | ``torch._C._functorch.peek_interpreter_stack``, ``torch.autograd.forward_ad._current_level``, ``torch._C._autograd._saved_tensors_hooks_is_enabled``, ``torch._C._autograd._top_saved_tensors_default_hooks``, ``torch._C._current_graph_task_id``, ``torch._C._functions.DelayedError`` (what ``once_differentiable`` uses) | torch 2.13; on 2.11 (H200 runs 42–43, every hooked call) the first four and ``DelayedError``; the hook-stack reader and the graph-task id are torch 2.8+ / 2.1+ readers, absent ones answered conservatively (not yet run on 2.11) | hooked calls' autograd (``dispatch/autograd.py``), SDPA/flex forwards |
+| ``CUDAGRAPH_UNSAFE_TAGS`` | ``torch.Tag.cudagraph_unsafe`` (a custom op inductor keeps out of CUDA-graph partitions) | torch 2.11 (H200 run 49), 2.13 | compiled SDPA and flex hooks |
 | ``custom_op_def(qualname)`` | ``torch._library.custom_ops.OPDEFS``; ``CustomOpDef._backend_fns``, ``_init_fn``, ``_abstract_fn`` | torch 2.11, 2.13 | flash-attn hook |
 | ``FA2_BACKWARD_OPS``, ``FA3_BACKWARD_OPS``, ``FA_FORWARD_OPS`` | flash-attn's private ops ``flash_attn::_flash_attn_{,varlen_}{forward,backward}`` (``flashattn::`` in newer FA2), ``flash_attn_3::_flash_attn_{forward,backward}`` | flash-attn 2.7–2.8, FA3 (H200 image) | flash-attn hook |
 | ``fa4_interface()`` | ``flash_attn.cute.interface._flash_attn_bwd`` / ``_flash_attn_fwd`` (module functions its autograd Functions look up as globals; JIT cache ``compile_cache`` on the function) | flash-attn-4 4.0.0b36 | flash-attn hook |
@@ -37,7 +38,7 @@ from .errors import CompatError
 from .pytorch import (BUILTIN_SDPA, assume_constant_result, FLEX_SLICED_MASK_MOD, flex_identity_score_mod,
     FUSED_SDPA_NODES, fused_sdpa_node, fused_sdpa_lse, overrides_torch_function, functorch_transform_active,
     forward_ad_active, saved_tensors_hooks_enabled, saved_tensors_default_hooks_active, graph_task_id, delayed_error,
-    custom_op_def, custom_op_kernel, set_custom_op_kernel, custom_op_fake, custom_op_signature_fn, FA2_BACKWARD_OPS,
+    CUDAGRAPH_UNSAFE_TAGS, custom_op_def, custom_op_kernel, set_custom_op_kernel, custom_op_fake, custom_op_signature_fn, FA2_BACKWARD_OPS,
     FA3_BACKWARD_OPS, FA_FORWARD_OPS, FA4_INTERFACE, FA4_BACKWARD, FA4_FORWARD, fa4_interface, hf_registry_mapping,
     is_context_parallel_wrapper, register_torchscript_builtin, dynamo_module_name, FusedSdpaOp, SDPA_FUSED_OPS,
     FusedSdpaCall, sdpa_fused_call, sdpa_fused_backward)
@@ -47,7 +48,7 @@ from .triton_runtime import (load_interpreted_module, triton_interpreter_index_p
 __all__ = ["CompatError", "BUILTIN_SDPA", "assume_constant_result", "FLEX_SLICED_MASK_MOD", "flex_identity_score_mod",
            "FUSED_SDPA_NODES", "fused_sdpa_node", "fused_sdpa_lse", "overrides_torch_function",
            "functorch_transform_active", "forward_ad_active", "saved_tensors_hooks_enabled",
-           "saved_tensors_default_hooks_active", "graph_task_id", "delayed_error", "custom_op_def",
+           "saved_tensors_default_hooks_active", "graph_task_id", "delayed_error", "CUDAGRAPH_UNSAFE_TAGS", "custom_op_def",
            "custom_op_kernel", "set_custom_op_kernel", "custom_op_fake", "custom_op_signature_fn",
            "FA2_BACKWARD_OPS", "FA3_BACKWARD_OPS", "FA_FORWARD_OPS", "FA4_INTERFACE", "FA4_BACKWARD",
            "FA4_FORWARD", "fa4_interface", "hf_registry_mapping", "is_context_parallel_wrapper",

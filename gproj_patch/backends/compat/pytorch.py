@@ -140,6 +140,13 @@ def delayed_error(message: str, outputs: tuple) -> tuple:
 
 
 # ---- torch.library custom ops (flash-attn's backward ops) --------------------------------------------------
+#: tags of the custom ops whose Python must run at every call (the compiled SDPA/flex hook files and reads the
+#: call's plan there): ``torch.Tag.cudagraph_unsafe`` keeps them out of inductor's CUDA-graph partitions
+#: (``torch.compile(mode="reduce-overhead")``; untagged, a partition returned the forward op's output tuple and
+#: cudagraph trees asserted, H200 run 49). Empty where the tag does not exist. Checked: torch 2.11, 2.13.
+CUDAGRAPH_UNSAFE_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
 def custom_op_def(qualname: str):
     """The ``CustomOpDef`` of a ``torch.library.custom_op`` named ``qualname``, or None if none is defined."""
     try:
