@@ -144,6 +144,14 @@ def scaled_dot_product_attention(*args, **kwargs):
     return sdpa_op.sdpa(*args, **kwargs)
 
 
+
+# Pickled by reference, as every function is: ``functools.wraps`` gave the wrapper the builtin's module
+# (``torch._C._nn``), whose attribute is the builtin, so pickle refused it ("not the same object") — and with it
+# ``torch.save`` of a module holding ``F.scaled_dot_product_attention``, or a spawn worker's arguments. Named after
+# where the wrapper is installed instead, it pickles as ``torch.nn.functional.scaled_dot_product_attention``: the
+# patched function where the pickle is loaded with the patch on, the builtin where it is off.
+scaled_dot_product_attention.__module__ = "torch.nn.functional"
+
 def _dispatch_override(relevant, args, kwargs):
     """Let the subclass or mode handle the call, as the builtin does. A subclass that computes attention without
     calling SDPA back (CausalBias lower-right on an efficient kernel) is counted as passed through."""

@@ -10,7 +10,8 @@ Each case here was a difference before its fix:
   (the hooks' ``autograd.Function``s define neither ``setup_context`` nor ``jvp``): now the original's result;
 * ``disable_saved_tensors_hooks`` made every corrected call raise; meta tensors raised in the backward (a mask on
   the meta device at the forward); under CPU autocast an FP64 or integer key was cast to BF16 (the unpatched call
-  raises its dtype error); ``dropout_p=nan`` ran instead of raising the original's error.
+  raises its dtype error); ``dropout_p=nan`` ran instead of raising the original's error;
+* pickling the patched ``F.scaled_dot_product_attention`` (``torch.save`` of a module holding it) raised.
 """
 from __future__ import annotations
 
@@ -229,3 +230,38 @@ def test_non_tensor_arguments_raise_the_originals_type_error(args):
     off, on = _off_and_on(call, targets=("sdpa",))
     assert off[:2] == ("raised", TypeError)
     _assert_same(off, on)
+
+
+class _HoldsAttention(torch.nn.Module):
+    """A module keeping the attention function as an attribute (``self.attend = F.scaled_dot_product_attention``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attend = F.scaled_dot_product_attention
+
+    def forward(self, q, k, v):
+        return self.attend(q, k, v, is_causal=True)
+
+
+def test_patched_sdpa_pickles_like_the_builtin(tmp_path):
+    """Unpatched, ``F.scaled_dot_product_attention`` pickles by reference; patched it raised PicklingError ("not the
+    same object as torch._C._nn.scaled_dot_product_attention"), and so did ``torch.save`` of a module holding it.
+    Now it pickles as ``torch.nn.functional.scaled_dot_product_attention``: the patched function while the patch is
+    on, the builtin once it is off; a saved module's forward gives the same bits."""
+    import pickle
+    q, k, v = _qkv()
+    plain = _HoldsAttention()(q, k, v)
+    assert pickle.loads(pickle.dumps(F.scaled_dot_product_attention)) is F.scaled_dot_product_attention
+    gproj_patch.enable(mode="gproj")
+    try:
+        patched_fn = F.scaled_dot_product_attention
+        assert patched_fn is not torch._C._nn.scaled_dot_product_attention
+        assert pickle.loads(pickle.dumps(patched_fn)) is patched_fn
+        payload = pickle.dumps(patched_fn)
+        torch.save(_HoldsAttention(), tmp_path / "m.pt")
+        loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+        assert loaded.attend is patched_fn and torch.equal(loaded(q, k, v), plain)
+    finally:
+        gproj_patch.disable()
+    assert pickle.loads(payload) is torch._C._nn.scaled_dot_product_attention
+    assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=False)(q, k, v), plain)
