@@ -130,6 +130,24 @@ def test_launch_cache_is_a_bounded_lru():
     assert len(cache) == 0 and cache.hits == cache.misses == 0
 
 
+def test_prepared_replay_fills_tensor_and_descriptor_slots():
+    """A replay puts each call's slot values at their signature positions (a tensor, or an opaque descriptor object
+    whose alignment is its builder's check) and refuses, launching nothing, a tensor whose 16-byte alignment
+    differs from the template's; the template keeps no tensor."""
+    launched = []
+    entry = launch_cache.Prepared(kernel="k", go=lambda gx, gy, gz, stream, args: launched.append((gx, stream, args)),
+                                  grid=(3, 1, 1), template=(None, 7, None, "CONST"), slots=((0, "desc"), (2, "T")),
+                                  aligned=(None, True))
+    desc = object()
+    buf = torch.empty(64, dtype=torch.float16)
+    assert entry.replay({"desc": desc, "T": buf[:8]}, stream=5)
+    (gx, stream, args), = launched
+    assert (gx, stream, len(args)) == (3, 5, 4) and args[0] is desc and args[1] == 7 and args[3] == "CONST"
+    assert args[2].data_ptr() == buf.data_ptr() and entry.template[0] is None and entry.template[2] is None
+    assert not entry.replay({"desc": desc, "T": buf[1:9]}, stream=5)  # 2-byte offset: Triton's own path instead
+    assert len(launched) == 1
+
+
 def test_interpreted_launches_are_never_prepared(monkeypatch):
     """CPU tensors run through the interpreter and Triton's binding: nothing is recorded."""
     launch_cache.PREPARED.clear()
