@@ -13,6 +13,9 @@ RATIOS = (("FA4/cuDNN", "fa4", "cudnn"), ("tl/cuDNN", "sdpa_tl", "cudnn"), ("glu
 #: the backward alone (forward+backward minus forward)
 BWD_RATIOS = (("routed/cuDNN", "sdpa_routed", "cudnn"), ("pFA4/FA4", "fa4_patched", "fa4"))
 TFLOPS_OF = ("cudnn", "sdpa_routed", "fa4", "fa4_patched")
+#: products each backward runs (cuDNN and FA4: S, dP, dV, dK, dQ; GProj adds the dq correction's r·K and its
+#: dQ-major launch recomputes S and dP): ``bwd_tflops`` is saved on 5, the per-product rate rescales it
+PRODUCTS = {"cudnn": 5, "fa4": 5, "sdpa_tl": 8, "sdpa_gluon": 8, "sdpa_routed": 8, "fa4_patched": 8}
 
 
 def label(shape) -> str:
@@ -43,12 +46,13 @@ def summary(result: dict) -> str:
         lines.append(f"step 0.5B {ctx}: " + (f"unpatched {s['unpatched']:.1f} ms, " + ", ".join(
             f"{m} {100 * (s[m] / s['unpatched'] - 1):+.1f}%" for m in ("gproj", "auto")) if s else str(r)))
     head = ["B·H·S·D", "cuDNN ms"] + [c for c, _, _ in RATIOS] + [f"bwd {c}" for c, _, _ in BWD_RATIOS] + \
-        ["TFLOP/s " + " / ".join(TFLOPS_OF)]
+        ["TFLOP/s " + " / ".join(TFLOPS_OF), "bwd TFLOP/s a product " + " / ".join(TFLOPS_OF)]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["timing"]:
         ratios = [_fmt(_ms(row, a) / _ms(row, b), ".3f") for _, a, b in RATIOS]
         bwd = " | ".join(_fmt(_ms(row, a, "bwd") / _ms(row, b, "bwd"), ".3f") for _, a, b in BWD_RATIOS)
         tf = " / ".join(_fmt(_ms(row, n, "tflops"), ".0f") for n in TFLOPS_OF)
+        per_product = " / ".join(_fmt(_ms(row, n, "bwd_tflops") * PRODUCTS[n] / 5, ".0f") for n in TFLOPS_OF)
         lines.append(f"| {label(row['shape'])} | {_fmt(_ms(row, 'cudnn'), '.3f')} | " + " | ".join(ratios)
-                     + f" | {bwd} | {tf} |")
+                     + f" | {bwd} | {tf} | {per_product} |")
     return "\n".join(lines)
