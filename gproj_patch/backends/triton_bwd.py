@@ -239,13 +239,15 @@ class KernelOptions:
     ``correct`` (False: the same kernels without the projection, for measurement), ``deterministic``
     (accepted, changes nothing: the kernels use no atomics), ``dk_form`` (None: ``DEFAULT_DK_FORM``),
     ``kv_major`` (the KV-major launch's kernel), and two overrides for tests and benchmarks: ``_config``
-    ({"dq"|"dkdv": (BLOCK_M, BLOCK_N, warps, stages)}) and ``_gluon_config`` (a ``gluon_bwd.KernelConfig``)."""
+    ({"dq"|"dkdv": (BLOCK_M, BLOCK_N, warps, stages)}), ``_gluon_config`` (a ``gluon_bwd.KernelConfig``) and
+    ``_mass_on_alu`` (the dQ-major kernel's MASS_ON_ALU variant)."""
     correct: bool = True
     deterministic: bool = False
     dk_form: Optional[str] = None
     kv_major: Optional[str] = None
     _config: Optional[dict] = None
     _gluon_config: Optional[object] = None
+    _mass_on_alu: bool = False
 
 
 #: the keywords ``KernelOptions`` is made of
@@ -380,7 +382,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(options.correct),
         fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv,
         dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32", kv_major=options.kv_major,
-        gluon_config=options._gluon_config)
+        gluon_config=options._gluon_config, mass_on_alu=options._mass_on_alu)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         target = _launch(kernel_module(interpret), interpret, job)
     if sink is None:

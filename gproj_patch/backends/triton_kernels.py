@@ -77,10 +77,13 @@ def _dq_tiles(acc, racc, sacc, start, end, q, do, lse2, delta, e0, e1, col, offs
               K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right, scale_log2,
               cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP: tl.constexpr,
               MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
-              EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              MASS_ON_ALU: tl.constexpr):
     """The key tiles [start, end) of a dQ-major program: acc += t·K, and with ``CORRECT`` racc += r·K (w·K under a
     softcap) and the row sums ρ, m in ``sacc``'s columns RHO_COL, MASS_COL. ``MASK``: the tiles cross the window's
-    edge or the end of the keys (``where`` on P); ``EVEN_N``: no tile runs past the last key (unmasked loads)."""
+    edge or the end of the keys (``where`` on P); ``EVEN_N``: no tile runs past the last key (unmasked loads).
+    ``MASS_ON_ALU``: m as an fp32 ALU row sum of r instead of the one-hot dot (ρ stays a dot: it is the row sum
+    whose cancellation the correction measures; m is a sum of non-negative terms) — a measurement variant."""
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM,
@@ -112,7 +115,10 @@ def _dq_tiles(acc, racc, sacc, start, end, q, do, lse2, delta, e0, e1, col, offs
             else:
                 sacc = tl.dot(t, e0, sacc, input_precision=DOT_PRECISION)  # ρ_i += Σ_j t_ij (tensor cores)
                 racc = tl.dot(r, k, racc, input_precision=DOT_PRECISION)  # Σ_j r_ij k_j
-            sacc = tl.dot(r, e1, sacc, input_precision=DOT_PRECISION)  # m_i += Σ_j r_ij
+            if MASS_ON_ALU and not SOFTCAP:
+                sacc = sacc + tl.where(col[None, :] == MASS_COL, _rowsum(r.to(tl.float32))[:, None], 0.0)
+            else:
+                sacc = tl.dot(r, e1, sacc, input_precision=DOT_PRECISION)  # m_i += Σ_j r_ij
     return acc, racc, sacc
 
 
@@ -129,7 +135,8 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
             SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
             VARLEN: tl.constexpr, CORRECT: tl.constexpr, HAS_SINK: tl.constexpr,
             EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            MASS_ON_ALU: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) blocks first
     h = tl.program_id(1)
     z = tl.program_id(2)
@@ -193,17 +200,20 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
                                     K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right,
                                     scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, MASK=True,
                                     HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=False, EVEN_D=EVEN_D,
-                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                                    MASS_ON_ALU=MASS_ON_ALU)
         acc, racc, sacc = _dq_tiles(acc, racc, sacc, full_lo, full_hi, q, do, lse2, delta, e0, e1, col, offs_m,
                                     K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right,
                                     scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, MASK=False,
                                     HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=True, EVEN_D=EVEN_D,
-                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                                    MASS_ON_ALU=MASS_ON_ALU)
         acc, racc, sacc = _dq_tiles(acc, racc, sacc, full_hi, hi, q, do, lse2, delta, e0, e1, col, offs_m,
                                     K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right,
                                     scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, MASK=True,
                                     HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=False, EVEN_D=EVEN_D,
-                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                                    MASS_ON_ALU=MASS_ON_ALU)
 
         if CORRECT:
             rho = _rowsum(tl.where(col[None, :] == RHO_COL, sacc, 0.0))  # ρ_i = Σ_j t_ij
