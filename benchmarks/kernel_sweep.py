@@ -89,13 +89,19 @@ def sweep(D, *, fp32=False, deadline=float("inf"), log=print, causal=True, kinds
     return dict(best, times=times)
 
 
-def _kv_launch(fn):
-    """Median ms of ``fn``'s KV-major launch alone (the dQ-major launch skipped: its scratch then stale, a timing)."""
-    triton_bwd._RUN = ("dkdv",)
+def _launch_alone(fn, part: str):
+    """Median ms of one launch of ``fn``'s backward ("dq" or "dkdv") with the other skipped (a timing: the KV-major
+    launch alone reads scratch the dQ-major launch did not write this time)."""
+    triton_bwd._RUN = (part,)
     try:
         return bench(fn)
     finally:
         triton_bwd._RUN = ("dq", "dkdv")
+
+
+def _kv_launch(fn):
+    """Median ms of ``fn``'s KV-major launch alone."""
+    return _launch_alone(fn, "dkdv")
 
 
 def gluon_sweep(D, *, deadline=float("inf"), log=print):
@@ -130,15 +136,6 @@ def gluon_sweep(D, *, deadline=float("inf"), log=print):
 
 
 
-def _dq_launch(fn):
-    """Median ms of ``fn``'s dQ-major launch alone (the KV-major launch skipped: a timing)."""
-    triton_bwd._RUN = ("dq",)
-    try:
-        return bench(fn)
-    finally:
-        triton_bwd._RUN = ("dq", "dkdv")
-
-
 def mass_sweep(D, *, deadline=float("inf"), log=print):
     """The dQ-major launch at head dim D (``SHAPE[D]``, causal and dense) shipped vs its ``MASS_ON_ALU`` variant
     (m = Σ r as an fp32 ALU row sum instead of a one-hot dot: 8 fewer HGMMA and 80→24 / 112→40 B of spills at
@@ -156,7 +153,7 @@ def mass_sweep(D, *, deadline=float("inf"), log=print):
                 continue
             fn = lambda flag=flag: gproj_backward(do, q, k, v, o, lse, causal=causal, _mass_on_alu=flag)  # noqa: E731
             grads[name] = fn()
-            times[name] = _dq_launch(fn)
+            times[name] = _launch_alone(fn, "dq")
             times[name + "_whole"] = bench(fn)
             log(f"mass sweep D={D} causal={causal} {name}: dQ launch {times[name]:.3f} ms, whole "
                 f"{times[name + '_whole']:.3f} ms  regs/spills {triton_bwd.LAST_KERNELS.get('dq')}")
