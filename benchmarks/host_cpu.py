@@ -76,17 +76,19 @@ class HostCache(launch_cache.LaunchCache):
         args = arguments()
         self.misses += 1
         names = [n for n in args if n not in LAUNCH_OPTIONS]
-        template, slots, aligned = [], [], []
+        slot_names = frozenset(slots())  # the slots launch_cache._prepare leaves open
+        template, open_slots, aligned = [], [], []
         for pos, name in enumerate(names):
             value = args[name]
-            is_tensor = isinstance(value, torch.Tensor)
-            template.append(None if is_tensor else value)
-            if is_tensor:
-                slots.append((pos, name))
-                aligned.append(value.data_ptr() % launch_cache.TRITON_PTR_ALIGN == 0)
+            is_slot = name in slot_names
+            template.append(None if is_slot else value)
+            if is_slot:
+                open_slots.append((pos, name))
+                aligned.append(value.data_ptr() % launch_cache.TRITON_PTR_ALIGN == 0
+                               if isinstance(value, torch.Tensor) else None)
         if key is not None:
             self.put(key, launch_cache.Prepared(kernel=None, go=_no_launch, grid=tuple(grid), template=tuple(template),
-                                                slots=tuple(slots), aligned=tuple(aligned)))
+                                                slots=tuple(open_slots), aligned=tuple(aligned)))
         return None
 
 
