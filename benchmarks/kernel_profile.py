@@ -35,7 +35,9 @@ COLUMNS = {  # ncu raw metric -> short name
 
 
 def run_once():
-    """Compile and warm up outside the profiled range, then one GProj backward and one cuDNN backward inside."""
+    """Compile and warm up outside the profiled range, then inside it one GProj backward with each KV-major kernel
+    (tl, and Gluon where ``gluon_bwd.kv_major_reason`` allows it: the routed one at D=128 on sm_90) and one cuDNN
+    backward. The dQ-major launch is the same kernel in both GProj backwards."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -48,8 +50,12 @@ def run_once():
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
 
+    from gproj_patch.backends.gluon_bwd import kv_major_reason
+    kernels = ("tl",) if kv_major_reason(q, k, v, do=do, window=(-1, -1), softcap=0.0, varlen=False) else ("tl", "gluon")
+
     def both():
-        gproj_backward(do, q, k, v, o, lse, causal=causal)
+        for kernel in kernels:
+            gproj_backward(do, q, k, v, o, lse, causal=causal, kv_major=kernel)
         torch.autograd.grad(y, (qq, kk, vv), do, retain_graph=True)
     both()
     torch.cuda.synchronize()

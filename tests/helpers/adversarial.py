@@ -54,6 +54,8 @@ def make_case(name, device="cuda", dtype=torch.bfloat16, seed=0):
         sink = 0.75
     elif name == "sink64":  # sink with p_sink ~ 1 - 1e-5, plus a 64σ key offset (the sink_offset_64 case of gproj_patch/audit/cases.py)
         offset, sink = 64.0, 1.5
+    elif name == "massive_sink":  # the sink's OWN key is massive (not a common offset): see _massive_sink
+        offset = 8.0
     elif name == "sharp_p1":  # rows with P == 1 (other keys' P <= ~1e-18), plus an offset: beyond fp32
         offset, sink, gauge = 32.0, 3.0, False
         SK = 384
@@ -93,11 +95,31 @@ def make_case(name, device="cuda", dtype=torch.bfloat16, seed=0):
         q = q + 64.0 * torch.randn(D, generator=g, device=device, dtype=torch.float64)
     k = _keys((B, HKV, SK, D), offset, g, device)
     q, k, v, do = _sink_v_do(q, k, sink, g, dtype)
+    if name == "massive_sink":
+        q, k = _massive_sink(q, k, g)
     if name == "strided":
         q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) memory
         k = k.transpose(1, 2).contiguous().transpose(1, 2)
         v = torch.cat([v, v], dim=-1)[..., :D]  # row stride 2D
     return dict(q=q, k=k, v=v, do=do), kw, gauge
+
+
+def _massive_sink(q, k, gen, norm=4096.0):
+    """Key 0 of every head set to ``norm``·ν̂ (a random unit direction; the other keys have norm ~8σ·√D ≈ 64 at
+    D=64), and each query made orthogonal to ν̂ and then given the component along it that puts its sink logit
+    α q·k_0 at U(-4, 8): across the rows the sink takes anything from ~0 to ~1 of the probability, with a key
+    ~64× the norm of the others. A mean-key centre fails here (docs/math.md §5); the sink is the row's most
+    probable key in some rows and not in others. Returned in the inputs' dtype."""
+    dtype, (B, H, SQ, D) = q.dtype, q.shape
+    nu = torch.randn(D, generator=gen, device=q.device, dtype=torch.float64)
+    nu = nu / nu.norm()
+    k = k.double()
+    k[:, :, 0] = norm * nu
+    q = q.double()
+    q = q - (q @ nu)[..., None] * nu
+    logit = torch.rand(B, H, SQ, generator=gen, device=q.device, dtype=torch.float64) * 12.0 - 4.0
+    q = q + (logit * D ** 0.5 / norm)[..., None] * nu
+    return q.to(dtype), k.to(dtype)
 
 
 def _cumsum(xs):
@@ -125,7 +147,7 @@ def witness(device="cuda", dtype=torch.bfloat16):
     return dict(q=q, k=k, v=v, do=do)
 
 
-SUITE = ["random", "offset8", "offset32", "offset128", "offset512", "sink", "sink64", "sharp_p1", "causal_tl",
+SUITE = ["random", "offset8", "offset32", "offset128", "offset512", "sink", "sink64", "massive_sink", "sharp_p1", "causal_tl",
          "causal_br", "gqa", "window", "varlen", "d96", "d128", "d256", "strided", "query_offset", "softcap", "witness"]
 
 
