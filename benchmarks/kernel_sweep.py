@@ -3,7 +3,6 @@ config, then the best dkdv config with that dq config), for the BF16 kernels and
 
     python benchmarks/kernel_sweep.py [--dims 32,256] [--fp32-dims 64,128] [--deadline 300] [--out DIR]
     python benchmarks/kernel_sweep.py --dims "" --fp32-dims "" --gluon-dims 64      # KV-major: tl vs Gluon builds
-    python benchmarks/kernel_sweep.py --dims "" --fp32-dims "" --centre-dims 64,128  # dQ-major: exact vs argmax centre
 
 ``device_check.py --sweep`` calls ``sweep`` for D = 64 and 128. Every candidate is timed (do_bench median of the
 whole backward); a candidate that fails to compile or run (shared memory, registers) is skipped with its error.
@@ -138,33 +137,6 @@ def gluon_sweep(D, *, deadline=float("inf"), log=print):
 
 
 
-def centre_sweep(D, *, deadline=float("inf"), log=print):
-    """The dQ-major launch at head dim D (``SHAPE[D]``, causal and dense) with the exact centre (``dq_centre="mass"``,
-    the r·K product) against the relaxed one (``"argmax"``: no r·K product, a running row argmax and one key
-    gathered per row; docs/math.md §5); {mask: {name: ms, "dq_rel_diff": ...}} — the relaxed dq against the exact
-    one (dk, dv do not change)."""
-    B, H, S = SHAPE[D]
-    q, k, v, do = make_inputs(B, H, S, D)
-    out = {}
-    for causal in (True, False):
-        o, lse = saved_forward(q, k, v, causal)
-        times, grads = {}, {}
-        for centre in ("mass", "argmax"):
-            if time.time() > deadline:
-                log(f"centre sweep D={D} causal={causal} {centre}: skipped (time budget)")
-                continue
-            fn = lambda centre=centre: gproj_backward(do, q, k, v, o, lse, causal=causal, dq_centre=centre)  # noqa: E731
-            grads[centre] = fn()
-            times[centre] = _launch_alone(fn, "dq")
-            times[centre + "_whole"] = bench(fn)
-            log(f"centre sweep D={D} causal={causal} {centre}: dQ launch {times[centre]:.3f} ms, whole "
-                f"{times[centre + '_whole']:.3f} ms  regs/spills {triton_bwd.LAST_KERNELS.get('dq')}")
-        if len(grads) == 2:
-            a, b = grads["argmax"][0].float(), grads["mass"][0].float()
-            times["dq_rel_diff"] = float((a - b).norm() / b.norm())
-        out["causal" if causal else "dense"] = times
-    return out
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="32,256")
@@ -172,7 +144,6 @@ def main():
     ap.add_argument("--deadline", type=float, default=300.0)
     ap.add_argument("--kinds", default="dq,dkdv", help="which kernels to sweep (the other keeps its default)")
     ap.add_argument("--gluon-dims", default="", help="also time the KV-major launch: tl vs GLUON_SWEEP's builds")
-    ap.add_argument("--centre-dims", default="", help="also time the dQ-major launch: exact vs argmax centre")
     ap.add_argument("--out", default=os.environ.get("OUT", "sweep_out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -184,10 +155,6 @@ def main():
                                                            kinds=tuple(args.kinds.split(",")))
     for D in (int(d) for d in args.gluon_dims.split(",") if d):
         result[f"gluon_{D}"] = gluon_sweep(D, deadline=end)
-    for D in (int(d) for d in args.centre_dims.split(",") if d):
-        result[f"centre_{D}"] = centre_sweep(D, deadline=end)
-        for mask, times in result[f"centre_{D}"].items():
-            print(f"  centre_{D} {mask}: " + "  ".join(f"{n} {t:.4g}" for n, t in times.items()))
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(result, f, indent=1)
     chosen = {key: r for key, r in result.items() if isinstance(r, dict) and "dq" in r}

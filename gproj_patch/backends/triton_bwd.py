@@ -44,12 +44,14 @@ every input, LSE (B, H, S) fp32 any strides (any layout ``spec.normalize_lse`` a
 The kernels use no atomics, so results are bitwise deterministic; ``deterministic=True`` is accepted and
 changes nothing.
 
-**Softcap** (c > 0, score = c·tanh(α q·k / c); docs/math.md §7, the emulation's form): the row mass is measured
-in capped-score units, ρ = Σ_j t_j/τ'_j (an fp32 ALU row sum), τ' = 1 − tanh², and the correction goes along
-w = low(r∘τ'): dq = α(tK − λ·wK). It reduces the rounding bias; there is no exact gauge symmetry to restore.
-
-**Relaxed dq centre** (``dq_centre="argmax"``, off by default; docs/math.md §5): λ_i m_i k_j* (j* the row's most
-probable key, a running row argmax) replaces λ_i Σ_j r_ij k_j, one S×S×D product fewer; dk, dv unchanged.
+**Softcap** (c > 0, score = c·tanh(α q·k / c)). The conservation law Σ_j g_ij = 0 holds for the gradient
+with respect to the *capped* score, g = P∘(dP − D), before the tanh derivative τ' = 1 − tanh² multiplies it;
+the rounded operand is t = low(g∘τ'), whose row sum is not zero even exactly. So the row mass is measured
+in capped-score units and the correction goes through the same τ' (the emulation's form, emulation.py):
+ρ = Σ_j t_j/τ'_j (g_j where τ'_j = 0; an fp32 ALU row sum, the one reduction not on the tensor cores),
+m = Σ r, w = low(r∘τ'), dq = α(tK − λ·wK), dk = α(tᵀQ − low(λw)ᵀQ) or α·low((g − λP)∘τ')ᵀQ. With a softcap
+there is no exact gauge symmetry (tanh is not translation-equivariant): this reduces the rounding bias, it
+does not restore an invariance. tanh is computed from exp2 (no libdevice, so the interpreter runs it too).
 
 **Learnable sinks** (``sink``, shape (Hq,), fp32 or the input dtype; ``spec.py``). The LSE given must be the
 forward's, which includes the sink, so P = exp(S − LSE) already sums to 1 − P_sink over the keys and the exact
@@ -98,23 +100,26 @@ except Exception:  # pragma: no cover
     _HAS_TRITON = False
 
 DK_FORMS = ("two_product", "fused")
-#: the dq correction's centre: "mass" (the exact projection) or "argmax" (the relaxed one, off by default)
-DQ_CENTRES = ("mass", "argmax")
 #: the kernels of the KV-major launch: the portable tl kernel, the warp-specialized sm_90a Gluon kernel
 KV_MAJOR_KERNELS = ("tl", "gluon")
 #: dk form used when none is asked for (chosen on the H200 suite, see BENCHMARKS.md)
 DEFAULT_DK_FORM = "fused"
 
-# Block configs per padded head dim, (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dq and dkdv kernels, from
-# greedy sweeps on the H200 (kernel_sweep.py; NOTES_kernel.md): 64/128 run 3, 32/256 run 19; 16 takes 32's. Run 20:
-# a third dkdv stage at 128 timed 2.169 vs 2.260 ms (4·16·4096·128 causal), not default until the GPU suite ran it.
+# Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels,
+# chosen by greedy sweeps on the H200 (benchmarks/kernel_sweep.py; BENCHMARKS.md, NOTES_kernel.md): 64 and 128 in
+# run 3, 32 and 256 in run 19 (at 4·16·4096·32 causal ×1.14 faster than the 64 config it used to borrow; at
+# 2·16·4096·256 causal ×1.36 faster than the first guess, dkdv without spills). 16 takes the 32 config. Run 20
+# timed 128's dkdv with a third stage at 2.169 against 2.260 ms (4·16·4096·128 causal, no spills); not the default
+# until the GPU suite has run with it (tests/test_triton_gpu.py with _config={"dkdv": (32, 64, 4, 3)}).
 CONFIGS = {
     "dq": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3), 128: (64, 64, 4, 2), 256: (64, 64, 8, 1)},
     "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 2),
              256: (32, 32, 4, 1)},
 }
-#: block configs for fp32 inputs (``FP32_DOT_PRECISION``): 64/128 from run 21 at 1·16·4096·D causal, (64, 32) best
-#: of four (3.55, 12.6 ms against 13.8, 33.9 of the best IEEE configs); 256 not swept; 16/32 take 64's
+#: block configs for fp32 inputs with ``FP32_DOT_PRECISION``'s products: 64 and 128 from run 21's sweep at
+#: 1·16·4096·D causal ((64, 32) best of four for both kernels at both: 3.55 and 12.6 ms, against 13.8 and 33.9
+#: for the best IEEE configs of runs 19/20); 256 not swept (small tiles: fp32 operands fill the registers);
+#: 16 and 32 take 64's
 CONFIGS_FP32 = {
     "dq": {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 16, 4, 1)},
     "dkdv": {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 16, 4, 1)},
@@ -233,16 +238,13 @@ class KernelOptions:
     """``gproj_backward``'s choices besides the mask kwargs, each accepted as a keyword of the same name:
     ``correct`` (False: the same kernels without the projection, for measurement), ``deterministic``
     (accepted, changes nothing: the kernels use no atomics), ``dk_form`` (None: ``DEFAULT_DK_FORM``),
-    ``kv_major`` (the KV-major launch's kernel), ``dq_centre`` ("mass", the default: λ_i Σ_j r_ij k_j; "argmax": the
-    relaxed λ_i m_i k_j*, j* the row's most probable key, docs/math.md §5; not with a softcap), and two overrides
-    for tests and benchmarks: ``_config`` ({"dq"|"dkdv": (BLOCK_M, BLOCK_N, warps, stages)}) and ``_gluon_config``
-    (a ``gluon_bwd.KernelConfig``)."""
+    ``kv_major`` (the KV-major launch's kernel), and two overrides for tests and benchmarks: ``_config``
+    ({"dq"|"dkdv": (BLOCK_M, BLOCK_N, warps, stages)}) and ``_gluon_config`` (a ``gluon_bwd.KernelConfig``)."""
     correct: bool = True
     deterministic: bool = False
     dk_form: Optional[str] = None
     kv_major: Optional[str] = None
     _config: Optional[dict] = None
-    dq_centre: str = "mass"
     _gluon_config: Optional[object] = None
 
 
@@ -294,19 +296,18 @@ def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                             options=options, sink=sink)
 
 
-#: the options of a planned backward (``launch_planned``): the defaults with each KV-major kernel and dq centre
-PLANNED_OPTIONS = MappingProxyType({(kernel, centre): KernelOptions(kv_major=kernel, dq_centre=centre)
-                                    for kernel in KV_MAJOR_KERNELS for centre in DQ_CENTRES})
+#: the options of a planned backward (``launch_planned``): the defaults with each KV-major kernel, built once
+PLANNED_OPTIONS = MappingProxyType({kernel: KernelOptions(kv_major=kernel) for kernel in KV_MAJOR_KERNELS})
 
 
 def launch_planned(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, varlen: Varlen, kv_major: str,
-                   dq_centre: str = "mass", sink: Optional[torch.Tensor] = None):
+                   sink: Optional[torch.Tensor] = None):
     """``launch_backward`` as the router runs a call's plan: the mask and the varlen offsets already grouped, the
     options the defaults with the planned KV-major kernel (``PLANNED_OPTIONS``), so no keyword is split and no
     options object built per call. Checks nothing the plan checked; decides nothing."""
     return _launch_backward(do, q, k, v, o, lse, scale=scale, mask=mask, varlen=varlen,
-                            options=PLANNED_OPTIONS[kv_major, dq_centre], sink=sink)
+                            options=PLANNED_OPTIONS[kv_major], sink=sink)
 
 
 def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -333,9 +334,6 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dk_form = DEFAULT_DK_FORM if options.dk_form is None else options.dk_form
     if dk_form not in DK_FORMS:
         raise ValueError(f"dk_form must be one of {DK_FORMS}, got {dk_form!r}")
-    if options.dq_centre not in DQ_CENTRES or (options.dq_centre == "argmax" and mask.softcap > 0):
-        raise ValueError(f"dq_centre must be one of {DQ_CENTRES} ('argmax' not with a softcap), "
-                         f"got {options.dq_centre!r} with softcap={mask.softcap}")
     if o.dtype != q.dtype or do.dtype != q.dtype:
         o = o.to(q.dtype)
         do = do.to(q.dtype)
@@ -382,7 +380,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(options.correct),
         fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv,
         dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32", kv_major=options.kv_major,
-        gluon_config=options._gluon_config, dq_centre=options.dq_centre)
+        gluon_config=options._gluon_config)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         target = _launch(kernel_module(interpret), interpret, job)
     if sink is None:

@@ -47,12 +47,6 @@ def _rowsum(x):
 
 
 @triton.jit
-def _first_max(p1, j1, p2, j2):
-    take = (p2 > p1) | ((p2 == p1) & (j2 < j1))  # the larger P; of equal ones, the lower key index
-    return tl.where(take, p2, p1), tl.where(take, j2, j1)
-
-
-@triton.jit
 def _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LSE2, TGT, row, offs_m, q_len,
                offs_d, HEAD_DIM, HAS_SINK: tl.constexpr, EVEN: tl.constexpr):
     """(D, base-2 LSE, T) of the rows ``offs_m``, also stored to scratch at ``row`` for the KV-major kernel.
@@ -79,17 +73,14 @@ def _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LS
 
 
 @triton.jit
-def _dq_tiles(acc, racc, sacc, best_p, best_j, start, end, q, do, lse2, delta, e0, e1, col, offs_m,
+def _dq_tiles(acc, racc, sacc, start, end, q, do, lse2, delta, e0, e1, col, offs_m,
               K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right, scale_log2,
               cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP: tl.constexpr,
               MASK: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr, CORRECT: tl.constexpr,
-              EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              ARGMAX_CENTRE: tl.constexpr):
+              EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The key tiles [start, end) of a dQ-major program: acc += t·K, and with ``CORRECT`` racc += r·K (w·K under a
     softcap) and the row sums ρ, m in ``sacc``'s columns RHO_COL, MASS_COL. ``MASK``: the tiles cross the window's
-    edge or the end of the keys (``where`` on P); ``EVEN_N``: no tile runs past the last key (unmasked loads).
-    ``ARGMAX_CENTRE`` (the relaxed centre, docs/math.md §5): instead of racc, the row's largest probability so far
-    (best_p) and its key index (best_j); never with ``SOFTCAP``."""
+    edge or the end of the keys (``where`` on P); ``EVEN_N``: no tile runs past the last key (unmasked loads)."""
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = load_pair(K_base, V_base, sk_s, sk_d, sv_s, sv_d, offs_n, k_len, offs_d, HEAD_DIM,
@@ -120,16 +111,9 @@ def _dq_tiles(acc, racc, sacc, best_p, best_j, start, end, q, do, lse2, delta, e
                 racc = tl.dot((r.to(tl.float32) * tau).to(q.dtype), k, racc, input_precision=DOT_PRECISION)
             else:
                 sacc = tl.dot(t, e0, sacc, input_precision=DOT_PRECISION)  # ρ_i += Σ_j t_ij (tensor cores)
-                if ARGMAX_CENTRE:
-                    # the row's most probable key so far (first of ties): its index stands in for Σ_j r_ij k_j / m_i
-                    tile_p, tile_j = tl.reduce((p, tl.broadcast_to(offs_n[None, :], p.shape)), 1, _first_max)
-                    take = tile_p > best_p
-                    best_p = tl.where(take, tile_p, best_p)
-                    best_j = tl.where(take, tile_j, best_j)
-                else:
-                    racc = tl.dot(r, k, racc, input_precision=DOT_PRECISION)  # Σ_j r_ij k_j
+                racc = tl.dot(r, k, racc, input_precision=DOT_PRECISION)  # Σ_j r_ij k_j
             sacc = tl.dot(r, e1, sacc, input_precision=DOT_PRECISION)  # m_i += Σ_j r_ij
-    return acc, racc, sacc, best_p, best_j
+    return acc, racc, sacc
 
 
 @triton.jit
@@ -145,8 +129,7 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
             SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
             VARLEN: tl.constexpr, CORRECT: tl.constexpr, HAS_SINK: tl.constexpr,
             EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            ARGMAX_CENTRE: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) blocks first
     h = tl.program_id(1)
     z = tl.program_id(2)
@@ -176,8 +159,6 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)  # Σ t·K
         racc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)  # Σ r·K (Σ w·K under a softcap)
         sacc = tl.full([BLOCK_M, ROWSUM_WIDTH], 0.0, tl.float32)  # ρ in column RHO_COL, m in MASS_COL
-        best_p = tl.full([BLOCK_M], 0.0, tl.float32)  # ARGMAX_CENTRE: the row's largest P so far
-        best_j = tl.full([BLOCK_M], 0, tl.int32)  # ARGMAX_CENTRE: its key index j*
         col = tl.arange(0, ROWSUM_WIDTH)
         nn = tl.arange(0, BLOCK_N)
         # one-hot (BLOCK_N × ROWSUM_WIDTH): t·e0 puts Σ_j t_ij in column RHO_COL, r·e1 puts Σ_j r_ij in MASS_COL
@@ -208,24 +189,21 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
         full_hi = tl.maximum(full_hi, full_lo)
 
         # left edge [lo, full_lo) masked, interior [full_lo, full_hi) unmasked, right edge [full_hi, hi) masked
-        acc, racc, sacc, best_p, best_j = _dq_tiles(acc, racc, sacc, best_p, best_j, lo, full_lo, q, do, lse2, delta, e0, e1, col, offs_m,
+        acc, racc, sacc = _dq_tiles(acc, racc, sacc, lo, full_lo, q, do, lse2, delta, e0, e1, col, offs_m,
                                     K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right,
                                     scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, MASK=True,
                                     HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=False, EVEN_D=EVEN_D,
-                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                                    ARGMAX_CENTRE=ARGMAX_CENTRE)
-        acc, racc, sacc, best_p, best_j = _dq_tiles(acc, racc, sacc, best_p, best_j, full_lo, full_hi, q, do, lse2, delta, e0, e1, col, offs_m,
+                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+        acc, racc, sacc = _dq_tiles(acc, racc, sacc, full_lo, full_hi, q, do, lse2, delta, e0, e1, col, offs_m,
                                     K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right,
                                     scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, MASK=False,
                                     HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=True, EVEN_D=EVEN_D,
-                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                                    ARGMAX_CENTRE=ARGMAX_CENTRE)
-        acc, racc, sacc, best_p, best_j = _dq_tiles(acc, racc, sacc, best_p, best_j, full_hi, hi, q, do, lse2, delta, e0, e1, col, offs_m,
+                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+        acc, racc, sacc = _dq_tiles(acc, racc, sacc, full_hi, hi, q, do, lse2, delta, e0, e1, col, offs_m,
                                     K_base, V_base, sk_s, sk_d, sv_s, sv_d, k_len, shift, win_left, win_right,
                                     scale_log2, cap_in, cap_out, offs_d, HEAD_DIM, SOFTCAP=SOFTCAP, MASK=True,
                                     HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=False, EVEN_D=EVEN_D,
-                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                                    ARGMAX_CENTRE=ARGMAX_CENTRE)
+                                    BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
 
         if CORRECT:
             rho = _rowsum(tl.where(col[None, :] == RHO_COL, sacc, 0.0))  # ρ_i = Σ_j t_ij
@@ -234,14 +212,8 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
                 rho = rho - target
             # λ_i = (ρ_i − T_i) / m_i: the multiple of r_i that carries the row sum t_i should not have (0: no mass)
             lam = tl.where(msum > 0.0, rho / tl.where(msum > 0.0, msum, 1.0), 0.0)
-            if ARGMAX_CENTRE:
-                # relaxed centre: λ_i Σ_j r_ij k_j ≈ λ_i m_i k_j* (error α λ_i Σ_j r_ij (k_j − k_j*), gauge-free)
-                k_star = tl.load(K_base + best_j[:, None].to(tl.int64) * sk_s + offs_d[None, :] * sk_d,
-                                 mask=(best_j[:, None] < k_len) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-                dq = (acc - (lam * msum)[:, None] * k_star.to(tl.float32)) * scale
-            else:
-                # the projection t − λ·r, applied to the fp32 products (Σ t·K − λ·Σ r·K), never rounded again
-                dq = (acc - lam[:, None] * racc) * scale
+            # the projection t − λ·r, applied to the fp32 products (Σ t·K − λ·Σ r·K), never rounded again
+            dq = (acc - lam[:, None] * racc) * scale
             if EVEN_M:
                 tl.store(LAM + row, lam)
             else:

@@ -46,7 +46,6 @@ class Launch:
     dot_precision: str = "tf32"  # tl.dot input precision: irrelevant for bf16/fp16, chosen for fp32 inputs
     kv_major: str = "tl"  # the KV-major launch's kernel: "tl" (below) or "gluon" (gluon_bwd.launch_dkdv)
     gluon_config: Optional[object] = None  # gluon_bwd.KernelConfig override (benchmarks)
-    dq_centre: str = "mass"  # dQ-major kernel: "mass" (Σ_j r_ij k_j / m_i) or "argmax" (k_j*, ARGMAX_CENTRE)
 
 
 def sink_gradient(target: torch.Tensor, job: Launch) -> torch.Tensor:
@@ -135,7 +134,6 @@ def kernel_arguments(kind: str, job: Launch, scratch: Scratch, *, block_d: int) 
         args.update(**_strides("so", job.o), **_strides("sl", job.lse, "bhs"),
                     ssink=job.sink.stride(0) if job.sink is not None else 0, **_strides("sdq", job.dq))
         args["HAS_SINK"] = job.sink is not None
-        args["ARGMAX_CENTRE"] = job.dq_centre == "argmax"
     else:
         args.update(**_strides("sdk", job.dk), **_strides("sdv", job.dv), FUSED=job.fused)
     return args
@@ -153,7 +151,7 @@ def launch_key(job: Launch) -> tuple:
               None if sink is None else (sink.dtype, sink.stride()),
               (job.cu_q.dtype, job.cu_q.stride(), job.cu_k.stride()) if job.varlen else None)
     return inputs + (job.varlen, job.n_problems, job.max_q, job.max_k, job.window, job.bottom_right, job.alpha,
-                     job.softcap, job.correct, job.fused, job.cfg_dq, job.cfg_dkdv, job.dot_precision, job.dq_centre)
+                     job.softcap, job.correct, job.fused, job.cfg_dq, job.cfg_dkdv, job.dot_precision)
 
 
 def _cdiv(n: int, block: int) -> int:

@@ -47,7 +47,6 @@ class KernelPlan:
     """How the GProj kernel runs one backward."""
     kv_major: str                 # "gluon" | "tl": the kernel of the KV-major launch (dk, dv)
     kv_major_reason: Optional[str]  # why not the Gluon kernel (None when it runs); counted in stats()
-    dq_centre: str = "mass"       # "mass" | "argmax": the dq correction's centre (docs/math.md §5)
 
 
 @dataclass(frozen=True)
@@ -152,22 +151,13 @@ def kv_major_choice(t: ForwardTensors, problem: Problem, option: str) -> Tuple[s
     return ("gluon", None) if reason is None else ("tl", reason)
 
 
-def dq_centre_choice(problem: Problem, option: str) -> str:
-    """The dq centre of a bf16/fp16 kernel call: the option, except "mass" under a softcap, where the correction
-    runs along w = low(r τ') and the relaxed centre is not derived (docs/math.md §5)."""
-    if option == "argmax" and problem.softcap > 0:
-        return "mass"
-    return option
-
-
 def _kernel_plan(t: ForwardTensors, problem: Problem, record: CallRecord, fp32: bool) -> KernelPlan:
-    if fp32:  # fp32 copies: the Gluon kernel is bf16/fp16 only; the exact centre (its rounding is not BF16's)
+    if fp32:  # fp32 copies: the Gluon kernel is bf16/fp16 only
         return KernelPlan(kv_major="tl", kv_major_reason="fp32 (the FP32 tier's kernel form)")
-    dq_centre = dq_centre_choice(problem, record.context.dq_centre)
     if problem.padded:  # left padding runs as packed varlen segments, which the Gluon kernel does not take
-        return KernelPlan(kv_major="tl", kv_major_reason="padding mask (may run as varlen)", dq_centre=dq_centre)
+        return KernelPlan(kv_major="tl", kv_major_reason="padding mask (may run as varlen)")
     kv_major, why = kv_major_choice(t, problem, record.context.kv_major)
-    return KernelPlan(kv_major=kv_major, kv_major_reason=why, dq_centre=dq_centre)
+    return KernelPlan(kv_major=kv_major, kv_major_reason=why)
 
 
 def _tier(record: CallRecord, t: ForwardTensors, has_original: bool, mask_as_flags: bool,

@@ -67,8 +67,7 @@ def _run_kernel(t: BackwardTensors, problem: Problem, kernel: KernelPlan) -> Gra
     mask = MaskSpec(causal=problem.causal, causal_align=problem.causal_align, window=tuple(problem.window),
                     softcap=float(problem.softcap))
     return launch_planned(do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale, mask=mask,
-                          varlen=_varlen(problem), kv_major=kernel.kv_major, dq_centre=kernel.dq_centre,
-                          sink=problem.sink)
+                          varlen=_varlen(problem), kv_major=kernel.kv_major, sink=problem.sink)
 
 
 def _varlen(problem: Problem) -> Varlen:

@@ -15,8 +15,6 @@ even over an invalid environment value. Unknown keywords raise.
 |                     |                           | triton (kernel or error), fp32 (FP32 tier)       |         |
 | kv_major            | GPROJ_KV_MAJOR            | auto (the Gluon KV-major launch where supported  | auto    |
 |                     |                           | and faster: sm_90, D=128), tl (never Gluon)      |         |
-| dq_centre           | GPROJ_DQ_CENTRE           | mass (the exact projection), argmax (relaxed:    | mass    |
-|                     |                           | docs/math.md §5; kernel tier, no softcap)        |         |
 | log_level           | GPROJ_LOG_LEVEL           | DEBUG, INFO, WARNING, ERROR or an int            | WARNING |
 | sample_every        | GPROJ_SAMPLE_EVERY        | int >= 1: detector sampling period in steps      | 20      |
 | gproj_enter / _exit | GPROJ_AUTO_ENTER / _EXIT  | predicted dq leak that moves a layer to / from   | 0.01 /  |
@@ -47,8 +45,6 @@ TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex")
 TIER_OPTIONS = ("auto", "triton", "fp32")
 #: the kernel tier's KV-major launch: "auto" (``plan.kv_major_choice`` chooses per call), "tl"
 KV_MAJOR_OPTIONS = ("auto", "tl")
-#: the kernel tier's dq centre: "mass" (exact), "argmax" (the relaxed centre, docs/math.md §5; off by default)
-DQ_CENTRE_OPTIONS = ("mass", "argmax")
 _LEVELS = MappingProxyType({"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
                             "WARN": logging.WARNING, "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL})
 _TRUE = ("1", "true", "yes", "on")
@@ -161,7 +157,6 @@ class Config:
     targets: Tuple[str, ...] = TARGETS
     tier: str = "auto"
     kv_major: str = "auto"
-    dq_centre: str = "mass"
     log_level: int = logging.WARNING
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     #: CPU fp16 tensors may run the GProj kernel through Triton's interpreter: tier "triton" (keyword or
@@ -183,7 +178,6 @@ _CORE: Mapping[str, _Option] = MappingProxyType({
     "targets": _Option("GPROJ_TARGETS", parse_targets, empty_is_value=True),
     "tier": _Option("GPROJ_TIER", lambda n, v: _choice(n, v, TIER_OPTIONS)),
     "kv_major": _Option("GPROJ_KV_MAJOR", lambda n, v: _choice(n, v, KV_MAJOR_OPTIONS)),
-    "dq_centre": _Option("GPROJ_DQ_CENTRE", lambda n, v: _choice(n, v, DQ_CENTRE_OPTIONS)),
     "log_level": _Option("GPROJ_LOG_LEVEL", parse_log_level),
 })
 _POLICY: Mapping[str, _Option] = MappingProxyType({
