@@ -105,15 +105,16 @@ KV_MAJOR_KERNELS = ("tl", "gluon")
 #: dk form used when none is asked for (chosen on the H200 suite, see BENCHMARKS.md)
 DEFAULT_DK_FORM = "fused"
 
-# Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels,
-# chosen by greedy sweeps on the H200 (benchmarks/kernel_sweep.py; BENCHMARKS.md, NOTES_kernel.md): 64 and 128 in
-# run 3, 32 and 256 in run 19 (at 4·16·4096·32 causal ×1.14 faster than the 64 config it used to borrow; at
-# 2·16·4096·256 causal ×1.36 faster than the first guess, dkdv without spills). 16 takes the 32 config. Run 20
-# timed 128's dkdv with a third stage at 2.169 against 2.260 ms (4·16·4096·128 causal, no spills); not the default
-# until the GPU suite has run with it (tests/test_triton_gpu.py with _config={"dkdv": (32, 64, 4, 3)}).
+# Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels, chosen by
+# greedy sweeps on the H200 (benchmarks/kernel_sweep.py; BENCHMARKS.md, NOTES_kernel.md): 64 and 128 in run 3, 128's dq
+# re-swept in run 51 (two warpgroups, three stages: 2.248 against 2.290 ms for the whole backward at 4·16·4096·128
+# causal, 0 B spilled against 16), 32 and 256 in run 19 (at 4·16·4096·32 causal ×1.14 faster than the 64 config it used
+# to borrow; at 2·16·4096·256 causal ×1.36 faster than the first guess, dkdv without spills). 16 takes the 32 config.
+# Run 20 timed 128's dkdv with a third stage at 2.169 against 2.260 ms (4·16·4096·128 causal, no spills): the default
+# since run 52's GPU suite ran with it.
 CONFIGS = {
-    "dq": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3), 128: (64, 64, 4, 2), 256: (64, 64, 8, 1)},
-    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 2),
+    "dq": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 1)},
+    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 3),
              256: (32, 32, 4, 1)},
 }
 #: block configs for fp32 inputs with ``FP32_DOT_PRECISION``'s products: 64 and 128 from run 21's sweep at
