@@ -52,7 +52,11 @@ SWEEP_FP32 = {
 #: builds whose are not, 0 spills causal and dense (m128s2r spills 8 B dense) — NOTES_kernel.md, "Are the tl
 #: kernels' wgmmas serialized". m128s3r, ×0.876–0.894 of tl in run 40, is D=64's shipped config since
 GLUON_SWEEP = {64: (KernelConfig(64, 2), KernelConfig(64, 2, retire_tiles=True), KernelConfig(64, 3, retire_tiles=True),
-                    KernelConfig(128, 3, retire_tiles=True))}
+                    KernelConfig(128, 3, retire_tiles=True)),
+               # D=128: the shipped m64s2r against the deeper rings NOTES_gluon found unserialized and spill-free
+               # on a CPU compile (m64s3r spills 16 B dense) and never timed at D=128
+               128: (KernelConfig(64, 2, retire_tiles=True), KernelConfig(64, 3, retire_tiles=True),
+                     KernelConfig(64, 4, retire_tiles=True), KernelConfig(64, 4, release_pairs=True, retire_tiles=True))}
 #: the sweep's shapes: (B, H, S) per padded head dim, causal; FP32 smaller (IEEE products are ~15× slower)
 SHAPE = {32: (4, 16, 4096), 64: (4, 16, 4096), 128: (4, 16, 4096), 256: (2, 16, 4096)}
 SHAPE_FP32 = {64: (1, 16, 4096), 128: (1, 16, 4096)}
@@ -114,7 +118,8 @@ def gluon_sweep(D, *, deadline=float("inf"), log=print):
     out = {}
     for causal in (True, False):
         o, lse = saved_forward(q, k, v, causal)
-        runs = [("tl", None)] + [(f"m{c.block_m}s{c.num_stages}{'r' * c.retire_tiles}", c) for c in GLUON_SWEEP[D]]
+        runs = [("tl", None)] + [(f"m{c.block_m}s{c.num_stages}{'p' * c.release_pairs}{'r' * c.retire_tiles}", c)
+                                 for c in GLUON_SWEEP[D]]
         times, tl = {}, None
         for name, cfg in runs:
             if time.time() > deadline:
