@@ -4,7 +4,7 @@ r = low(P), then
 
     none     α Σ t k                      (a fused backward, uncorrected)
     mass     α (Σ t k − λ Σ r k)          (GProj: the exact centre Σ r k / m)
-    argmax   α (Σ t k − λ m k_j*)         (dq_centre="argmax": the row's most probable key)
+    argmax   α (Σ t k − λ m k_j*)         (the row's most probable key: the relaxation, measured and not shipped)
     meankey  α (Σ t k − ρ k̄)              (the mean key of the head: not gauge-safe for a massive sink key)
 
 and prints each one's relative dq error against the fp64 reference on the unmasked cases of the GPU suite

@@ -51,7 +51,7 @@ def run_once():
         y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
 
     from gproj_patch.backends.gluon_bwd import kv_major_reason
-    kernels = ("tl",) if kv_major_reason(q, k, v, do=do, window=(-1, -1), softcap=0.0, varlen=False) else ("tl", "gluon")
+    kernels = ("tl",) if kv_major_reason(q, k, v, do=do) else ("tl", "gluon")  # full or causal, no window/varlen
 
     def both():
         for kernel in kernels:

@@ -147,8 +147,9 @@ def witness(device="cuda", dtype=torch.bfloat16):
     return dict(q=q, k=k, v=v, do=do)
 
 
-SUITE = ["random", "offset8", "offset32", "offset128", "offset512", "sink", "sink64", "massive_sink", "sharp_p1", "causal_tl",
-         "causal_br", "gqa", "window", "varlen", "d96", "d128", "d256", "strided", "query_offset", "softcap", "witness"]
+SUITE = ["random", "offset8", "offset32", "offset128", "offset512", "sink", "sink64", "massive_sink", "sharp_p1",
+         "causal_tl", "causal_br", "gqa", "window", "varlen", "d96", "d128", "d256", "strided", "query_offset", "softcap",
+         "witness"]
 
 
 
