@@ -17,7 +17,7 @@ with a contiguous last dimension and 16-byte-aligned base and strides (TMA); Sq 
 
 Host cost per launch: everything but the tensors' addresses depends on the call's shape class (shapes,
 strides, dtype, mask, config), cached (``_launch_class``: grid, scalars, the TMA descriptors validated once by
-Gluon's constructor); a call binds its tensors into those templates (``_bound``) and replays the class's prepared
+Gluon's constructor); a call binds its tensors into those templates (``bound_descriptor``) and replays the class's prepared
 launch (``launch_cache``: Triton's launcher called directly, no argument binding).
 
 ``gluon_entry.gluon_backward`` (``gproj_backward(..., kv_major="gluon")``) runs it explicitly (tests, benchmarks; ValueError where
@@ -144,6 +144,15 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
     """None when the Gluon KV-major kernel runs this call; otherwise a short reason (the ``tl`` kernel runs it).
     For inputs ``triton_bwd.kernel_unsupported_reason`` accepted (4-D q, k, v of one dtype and one head dim:
     not checked again here). Causal masking is not an argument: both alignments are covered."""
+    return gluon_reason(q, k, v, do=do, window=window, softcap=softcap, varlen=varlen, correct=correct,
+                        dk_form=dk_form, scratch_tma=True)
+
+
+def gluon_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Optional[torch.Tensor],
+                 window: Tuple[int, int], softcap: float, varlen: bool, correct: bool,
+                 dk_form: Optional[str] = None, scratch_tma: bool) -> Optional[str]:
+    """What both Gluon launches need (``kv_major_reason``; ``gluon_dq.dq_major_reason``): None, or why not.
+    ``scratch_tma``: the launch reads the fp32 per-row scratch with TMA (the KV-major one: Sq a multiple of 4)."""
     if UNAVAILABLE_REASON is not None:
         return UNAVAILABLE_REASON
     if not correct:
@@ -163,7 +172,7 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
     d = q.shape[-1]
     if d not in GLUON_HEAD_DIMS:
         return f"head_dim={d} (gluon: {GLUON_HEAD_DIMS})"
-    if q.shape[2] % SCRATCH_ROW_ALIGN != 0:
+    if scratch_tma and q.shape[2] % SCRATCH_ROW_ALIGN != 0:
         return f"Sq={q.shape[2]} not a multiple of {SCRATCH_ROW_ALIGN} (TMA of the fp32 per-row scratch)"
     if q.shape[0] * q.shape[1] * q.shape[2] >= 2 ** 31:
         return "B·H·Sq ≥ 2^31 (TMA coordinates are int32)"
@@ -183,7 +192,7 @@ def kv_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Op
 LOG2_E = math.log2(math.e)
 #: the public fields of Gluon's host ``TensorDescriptor`` (a plain dataclass in triton 3.6, whose constructor
 #: only stores them and validates): a launch's descriptor is its shape class's template, built and validated
-#: once by that constructor, with the call's tensor as base (``_bound``: 0.3 µs instead of 3 µs a descriptor)
+#: once by that constructor, with the call's tensor as base (``bound_descriptor``: 0.3 µs instead of 3 µs a descriptor)
 DESCRIPTOR_FIELDS = ("base", "shape", "strides", "block_shape", "layout", "padding")
 #: entries of the shape-class cache (``_launch_class``): distinct (shapes, strides, dtype, mask, config) a
 #: process launches; each entry is a few small templates (no tensor of the call)
@@ -191,14 +200,14 @@ LAUNCH_CLASS_CACHE_SIZE = 64
 
 
 def _fast_descriptors() -> bool:
-    """True where ``TensorDescriptor`` has exactly ``DESCRIPTOR_FIELDS`` (else ``_bound`` takes the constructor)."""
+    """True where ``TensorDescriptor`` has exactly ``DESCRIPTOR_FIELDS`` (else ``bound_descriptor`` takes the constructor)."""
     return UNAVAILABLE_REASON is None and tuple(f.name for f in fields(TensorDescriptor)) == DESCRIPTOR_FIELDS
 
 
 FAST_DESCRIPTORS = _fast_descriptors()
 
 
-def _bound(template: "TensorDescriptor", base: torch.Tensor) -> "TensorDescriptor":
+def bound_descriptor(template: "TensorDescriptor", base: torch.Tensor) -> "TensorDescriptor":
     """``template`` (validated at construction) over ``base``: what the constructor would build, checking the one
     thing that varies per call, the base address's TMA alignment. A base off the 16-byte grid (a gradient handed
     to ``backward`` as a view at an odd offset: the plan checked q, k, v at the forward, never dO) is read from an
@@ -213,9 +222,9 @@ def _bound(template: "TensorDescriptor", base: torch.Tensor) -> "TensorDescripto
     return d
 
 
-def _tile_template(shape, strides, dtype: torch.dtype, block_rows: int) -> "TensorDescriptor":
+def tile_template(shape, strides, dtype: torch.dtype, block_rows: int) -> "TensorDescriptor":
     """4-D TMA descriptor over (B, H, S, D) with (1, 1, block_rows, D) boxes; rows past S read as zeros. Its
-    base is a zero-size stand-in (``_bound`` puts the call's tensor there). Strides of size-1 dims are never
+    base is a zero-size stand-in (``bound_descriptor`` puts the call's tensor there). Strides of size-1 dims are never
     used; they are replaced by an aligned value TMA accepts."""
     shape, strides = list(shape), list(strides)
     for i in range(len(shape) - 2, -1, -1):
@@ -254,10 +263,10 @@ def _launch_class(q_shape, q_strides, k_shape, kv_strides, do_strides, dkdv_stri
         raise ValueError("launch_dkdv: dk and dv need a contiguous last dim")
     B, H, SQ, _ = q_shape
     HKV, SK = k_shape[1], k_shape[2]
-    tiles = (_tile_template(q_shape, q_strides, dtype, cfg.block_m),
-             _tile_template(k_shape, kv_strides[0], dtype, KEYS_PER_WG),
-             _tile_template(k_shape, kv_strides[1], dtype, KEYS_PER_WG),
-             _tile_template(q_shape, do_strides, dtype, cfg.block_m))
+    tiles = (tile_template(q_shape, q_strides, dtype, cfg.block_m),
+             tile_template(k_shape, kv_strides[0], dtype, KEYS_PER_WG),
+             tile_template(k_shape, kv_strides[1], dtype, KEYS_PER_WG),
+             tile_template(q_shape, do_strides, dtype, cfg.block_m))
     scalars = dict(sdk_b=sdk[0], sdk_h=sdk[1], sdk_s=sdk[2], sdv_b=sdv[0], sdv_h=sdv[1], sdv_s=sdv[2],
                    H=H, GROUP=H // HKV, SQ=SQ, SK=SK, shift=SK - SQ if (causal and bottom_right) else 0,
                    scale=alpha, scale_log2=alpha * LOG2_E, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
@@ -284,9 +293,9 @@ def _slot_values(job, cls: _LaunchClass, delta: torch.Tensor, lse2: torch.Tensor
         if x.numel() != rows or not x.is_contiguous():
             raise ValueError(f"launch_dkdv: the per-row scratch must be a contiguous (B·H, Sq) buffer of {rows}")
     tq, tk, tv, tdo = cls.tiles
-    return {"q_desc": _bound(tq, job.q), "k_desc": _bound(tk, job.k), "v_desc": _bound(tv, job.v),
-            "do_desc": _bound(tdo, job.do), "lse2_desc": _bound(cls.rows, lse2),
-            "delta_desc": _bound(cls.rows, delta), "lam_desc": _bound(cls.rows, lam), "DK": job.dk, "DV": job.dv}
+    return {"q_desc": bound_descriptor(tq, job.q), "k_desc": bound_descriptor(tk, job.k), "v_desc": bound_descriptor(tv, job.v),
+            "do_desc": bound_descriptor(tdo, job.do), "lse2_desc": bound_descriptor(cls.rows, lse2),
+            "delta_desc": bound_descriptor(cls.rows, delta), "lam_desc": bound_descriptor(cls.rows, lam), "DK": job.dk, "DV": job.dv}
 
 
 def dkdv_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor, cfg: KernelConfig) -> dict:

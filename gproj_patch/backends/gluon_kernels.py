@@ -62,7 +62,7 @@ TOTAL_WARPS = gl.constexpr(
 
 
 @gluon.constexpr_function
-def _mma_layout(ROWS, COLS, num_warps):
+def mma_layout(ROWS, COLS, num_warps):
     """wgmma accumulator layout of a (ROWS × COLS) tile: warps stacked along the rows, one N = COLS instruction."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, COLS, 16])
 
@@ -116,8 +116,8 @@ def _tile(k_tile, v_tile, q_s, do_s, lse2_s, delta_s, lam_s, ready, empty, dk, d
     BLOCK_M: gl.constexpr = q_s.shape[1]
     HEAD_DIM: gl.constexpr = q_s.shape[2]
     dtype: gl.constexpr = q_s.dtype
-    st_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, BLOCK_M, CONSUMER_WARPS)
-    acc_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, HEAD_DIM, CONSUMER_WARPS)
+    st_layout: gl.constexpr = mma_layout(KEYS_PER_WG, BLOCK_M, CONSUMER_WARPS)
+    acc_layout: gl.constexpr = mma_layout(KEYS_PER_WG, HEAD_DIM, CONSUMER_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # per query row of an Sᵀ tile
 
@@ -191,8 +191,8 @@ def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty,
     BLOCK_M: gl.constexpr = q_s.shape[1]
     HEAD_DIM: gl.constexpr = q_s.shape[2]
     dtype: gl.constexpr = q_s.dtype
-    st_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, BLOCK_M, CONSUMER_WARPS)
-    acc_layout: gl.constexpr = _mma_layout(KEYS_PER_WG, HEAD_DIM, CONSUMER_WARPS)
+    st_layout: gl.constexpr = mma_layout(KEYS_PER_WG, BLOCK_M, CONSUMER_WARPS)
+    acc_layout: gl.constexpr = mma_layout(KEYS_PER_WG, HEAD_DIM, CONSUMER_WARPS)
 
     key0 = n0 + WG * KEYS_PER_WG
     offs_n = key0 + gl.arange(0, KEYS_PER_WG, layout=gl.SliceLayout(1, st_layout))

@@ -100,8 +100,8 @@ except Exception:  # pragma: no cover
     _HAS_TRITON = False
 
 DK_FORMS = ("two_product", "fused")
-#: the kernels of the KV-major launch: the portable tl kernel, the warp-specialized sm_90a Gluon kernel
-KV_MAJOR_KERNELS = ("tl", "gluon")
+#: the kernels of each launch (dQ-major, KV-major): the portable tl kernel, the warp-specialized sm_90a Gluon one
+LAUNCH_KERNELS = ("tl", "gluon")
 #: dk form used when none is asked for (chosen on the H200 suite, see BENCHMARKS.md)
 DEFAULT_DK_FORM = "fused"
 
@@ -239,14 +239,17 @@ class KernelOptions:
     """``gproj_backward``'s choices besides the mask kwargs, each accepted as a keyword of the same name:
     ``correct`` (False: the same kernels without the projection, for measurement), ``deterministic``
     (accepted, changes nothing: the kernels use no atomics), ``dk_form`` (None: ``DEFAULT_DK_FORM``),
-    ``kv_major`` (the KV-major launch's kernel), and two overrides for tests and benchmarks: ``_config``
-    ({"dq"|"dkdv": (BLOCK_M, BLOCK_N, warps, stages)}) and ``_gluon_config`` (a ``gluon_bwd.KernelConfig``)."""
+    ``kv_major``, ``dq_major`` (the launches' kernels), and three overrides for tests and benchmarks: ``_config``
+    ({"dq"|"dkdv": (BLOCK_M, BLOCK_N, warps, stages)}), ``_gluon_config`` (a ``gluon_bwd.KernelConfig``) and
+    ``_gluon_dq_config`` (a ``gluon_dq.DqConfig``)."""
     correct: bool = True
     deterministic: bool = False
     dk_form: Optional[str] = None
     kv_major: Optional[str] = None
+    dq_major: Optional[str] = None
     _config: Optional[dict] = None
     _gluon_config: Optional[object] = None
+    _gluon_dq_config: Optional[object] = None
 
 
 #: the keywords ``KernelOptions`` is made of
@@ -263,8 +266,8 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     keywords of ``KernelOptions``. ``dk_form`` ("two_product" | "fused") picks the dk contraction (default
     ``DEFAULT_DK_FORM``). ``sink`` (Hq,): the learnable sink logits the forward's LSE includes; the result is then
     (dq, dk, dv, dsink), dsink shaped and typed like ``sink`` (module docstring).
-    ``kv_major`` picks the KV-major launch: "gluon" (the warp-specialized sm_90a kernel, ``gluon_bwd``) or "tl"
-    (also for None); choosing the faster one per call is the plan's (``plan.kv_major_choice``).
+    ``kv_major`` / ``dq_major`` pick the KV-major / dQ-major launch: "gluon" (the warp-specialized sm_90a kernels,
+    ``gluon_bwd`` / ``gluon_dq``) or "tl" (also for None); choosing per call is the plan's (``plan.kernel_choice``).
     Raises ValueError when ``kernel_unsupported_reason`` is not None, or "gluon" is asked for and not possible.
     """
     mask_kw, option_kw = split_keywords("gproj_backward", mask_and_options, MASK_KWARGS + MAX_SEQLEN_KWARGS,
@@ -279,9 +282,12 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if reason is not None:
         raise ValueError(f"gproj_backward cannot run these inputs: {reason}")
     validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
-    kv_major = _checked_kv_major(q, k, v, do, mask, args.varlen, options)
+    # imported here, not at module level: gluon_bwd imports torch, whose import hook may load this module
+    # (backends/ops.py) while gluon_bwd is still initializing
+    from .gluon_dq import checked_kernels
+    dq_major, kv_major = checked_kernels(q, k, v, do, mask, args.varlen, options)
     return _launch_backward(do, q, k, v, o, lse, scale=args.scale, mask=mask, varlen=args.varlen,
-                            options=replace(options, kv_major=kv_major), sink=sink)
+                            options=replace(options, dq_major=dq_major, kv_major=kv_major), sink=sink)
 
 
 def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -292,23 +298,25 @@ def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     (compiled on CUDA, interpreted on CPU) with ``kv_major`` as given ("tl" when not given).
     ``varlen_and_options``: the keywords of ``spec.Varlen`` and of ``KernelOptions``."""
     varlen_kw, option_kw = split_keywords("launch_backward", varlen_and_options, VARLEN_KWARGS, KERNEL_OPTIONS)
-    options = KernelOptions(**{"kv_major": "tl", **option_kw})
+    options = KernelOptions(**{"kv_major": "tl", "dq_major": "tl", **option_kw})
     return _launch_backward(do, q, k, v, o, lse, scale=scale, mask=mask, varlen=Varlen(**varlen_kw),
                             options=options, sink=sink)
 
 
-#: the options of a planned backward (``launch_planned``): the defaults with each KV-major kernel, built once
-PLANNED_OPTIONS = MappingProxyType({kernel: KernelOptions(kv_major=kernel) for kernel in KV_MAJOR_KERNELS})
+#: the options of a planned backward (``launch_planned``): the defaults with each (dQ-major, KV-major) pair of
+#: kernels, built once
+PLANNED_OPTIONS = MappingProxyType({(dq, kv): KernelOptions(dq_major=dq, kv_major=kv)
+                                    for dq in LAUNCH_KERNELS for kv in LAUNCH_KERNELS})
 
 
 def launch_planned(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, varlen: Varlen, kv_major: str,
-                   sink: Optional[torch.Tensor] = None):
+                   lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, varlen: Varlen,
+                   kernels: Tuple[str, str], sink: Optional[torch.Tensor] = None):
     """``launch_backward`` as the router runs a call's plan: the mask and the varlen offsets already grouped, the
-    options the defaults with the planned KV-major kernel (``PLANNED_OPTIONS``), so no keyword is split and no
-    options object built per call. Checks nothing the plan checked; decides nothing."""
+    options the defaults with the planned (dQ-major, KV-major) ``kernels`` (``PLANNED_OPTIONS``), so no keyword is
+    split and no options object built per call. Checks nothing the plan checked; decides nothing."""
     return _launch_backward(do, q, k, v, o, lse, scale=scale, mask=mask, varlen=varlen,
-                            options=PLANNED_OPTIONS[kv_major], sink=sink)
+                            options=PLANNED_OPTIONS[kernels], sink=sink)
 
 
 def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -321,7 +329,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         padded_kv_major = "tl" if options.kv_major == "gluon" else options.kv_major
         grads = _launch_backward(
             *(pad_head_dim(x) for x in (do, q, k, v, o)), lse, scale=default_scale(D, scale), mask=mask,
-            varlen=varlen, options=replace(options, kv_major=padded_kv_major), sink=sink)
+            varlen=varlen, options=replace(options, kv_major=padded_kv_major, dq_major="tl"), sink=sink)
         narrow = tuple(torch.empty_like(x).copy_(g[..., :D]) for x, g in zip((q, k, v), grads))
         return narrow + tuple(grads[3:])
     cu_seqlens_q, cu_seqlens_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
@@ -381,34 +389,13 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(options.correct),
         fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv,
         dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32", kv_major=options.kv_major,
-        gluon_config=options._gluon_config)
+        gluon_config=options._gluon_config, dq_major=options.dq_major or "tl",
+        gluon_dq_config=options._gluon_dq_config)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         target = _launch(kernel_module(interpret), interpret, job)
     if sink is None:
         return dq, dk, dv
     return dq, dk, dv, triton_launch.sink_gradient(target.view(B, H, SQ), job)
-
-
-def _checked_kv_major(q, k, v, do, mask: MaskSpec, varlen: Varlen, options: KernelOptions) -> str:
-    """The KV-major kernel of an explicit call: "tl" unless asked for (None and "tl" are the portable kernel);
-    "gluon" when ``kv_major_reason`` allows it (ValueError otherwise). No speed preference here: choosing the
-    faster kernel per call is the plan's (``plan.py``)."""
-    asked = options.kv_major
-    if asked not in KV_MAJOR_KERNELS + (None,):
-        raise ValueError(f"kv_major must be one of {KV_MAJOR_KERNELS} or None, got {asked!r}")
-    if asked != "gluon":
-        return "tl"
-    # imported here, not at module level: gluon_bwd imports torch, whose import hook may load this module
-    # (backends/ops.py) while gluon_bwd is still initializing
-    from .gluon_bwd import kv_major_reason
-    reason = kv_major_reason(q, k, v, do=do if do.dtype == q.dtype else None, window=mask.window,
-                             softcap=mask.softcap,
-                             varlen=varlen.cu_seqlens_q is not None or varlen.cu_seqlens_k is not None,
-                             correct=options.correct, dk_form=options.dk_form)
-    if reason is not None:
-        raise ValueError(f"kv_major='gluon' cannot run these inputs: {reason}")
-    return "gluon"
-
 
 
 def _launch(km, interpret: bool, job) -> torch.Tensor:

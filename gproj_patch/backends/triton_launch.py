@@ -46,6 +46,8 @@ class Launch:
     dot_precision: str = "tf32"  # tl.dot input precision: irrelevant for bf16/fp16, chosen for fp32 inputs
     kv_major: str = "tl"  # the KV-major launch's kernel: "tl" (below) or "gluon" (gluon_bwd.launch_dkdv)
     gluon_config: Optional[object] = None  # gluon_bwd.KernelConfig override (benchmarks)
+    dq_major: str = "tl"  # the dQ-major launch's kernel: "tl" (below) or "gluon" (gluon_dq.launch_dq)
+    gluon_dq_config: Optional[object] = None  # gluon_dq.DqConfig override (benchmarks)
 
 
 def sink_gradient(target: torch.Tensor, job: Launch) -> torch.Tensor:
@@ -187,7 +189,10 @@ def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernel
                                job.q.device.index, lambda: tensor_arguments(kind, job, scratch),
                                lambda: kernel_arguments(kind, job, scratch, block_d=block_d))
 
-    if "dq" in parts:  # also when every sequence has no key: it writes dq = 0 and the sink target
+    if "dq" in parts and job.dq_major == "gluon":
+        from .gluon_dq import launch_dq
+        kq = launch_dq(job, scratch, job.gluon_dq_config)
+    elif "dq" in parts:  # also when every sequence has no key: it writes dq = 0 and the sink target
         kq = run("dq")
     if "dkdv" in parts and job.max_k > 0 and job.kv_major == "gluon":
         from .gluon_bwd import launch_dkdv
@@ -199,4 +204,5 @@ def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernel
         for name, kern in (("dq", kq), ("dkdv", kk)):
             last_kernels[name] = dict(regs=getattr(kern, "n_regs", None), spills=getattr(kern, "n_spills", None))
         last_kernels["kv_major"] = job.kv_major
+        last_kernels["dq_major"] = job.dq_major
     return scratch.target

@@ -47,6 +47,8 @@ class KernelPlan:
     """How the GProj kernel runs one backward."""
     kv_major: str                 # "gluon" | "tl": the kernel of the KV-major launch (dk, dv)
     kv_major_reason: Optional[str]  # why not the Gluon kernel (None when it runs); counted in stats()
+    dq_major: str = "tl"          # "gluon" | "tl": the kernel of the dQ-major launch (dq, λ, the row scratch)
+    dq_major_reason: Optional[str] = None  # why not the Gluon kernel there; counted in stats()
 
 
 @dataclass(frozen=True)
@@ -144,20 +146,45 @@ def kv_major_choice(t: ForwardTensors, problem: Problem, option: str) -> Tuple[s
     if option == "tl":
         return "tl", "kv_major=tl (GPROJ_KV_MAJOR / enable option)"
     from ..backends import gluon_bwd
-    reason = gluon_bwd.kv_major_reason(t.q, t.k, t.v, window=problem.window, softcap=problem.softcap,
-                                       varlen=problem.cu_seqlens_q is not None or problem.cu_seqlens_k is not None)
-    if reason is None and t.q.shape[-1] not in gluon_bwd.FASTER_HEAD_DIMS:
-        reason = f"head_dim={t.q.shape[-1]}: the tl KV-major kernel is faster there"
+    return _faster_gluon(gluon_bwd.kv_major_reason(t.q, t.k, t.v, **_gluon_mask(problem)), t,
+                         gluon_bwd.FASTER_HEAD_DIMS, "KV-major")
+
+
+def dq_major_choice(t: ForwardTensors, problem: Problem, option: str) -> Tuple[str, Optional[str]]:
+    """(dQ-major kernel, why not Gluon): the Gluon kernel where ``gluon_dq.dq_major_reason`` allows it and it was
+    measured faster than the tl kernel (``gluon_dq.FASTER_HEAD_DIMS``), else tl; always tl under the option
+    ``dq_major="tl"``."""
+    if option == "tl":
+        return "tl", "dq_major=tl (GPROJ_DQ_MAJOR / enable option)"
+    from ..backends import gluon_dq
+    return _faster_gluon(gluon_dq.dq_major_reason(t.q, t.k, t.v, **_gluon_mask(problem)), t,
+                         gluon_dq.FASTER_HEAD_DIMS, "dQ-major")
+
+
+def _gluon_mask(problem: Problem) -> dict:
+    """What the Gluon predicates ask of the problem's mask (window, softcap, varlen)."""
+    return dict(window=problem.window, softcap=problem.softcap,
+                varlen=problem.cu_seqlens_q is not None or problem.cu_seqlens_k is not None)
+
+
+def _faster_gluon(reason: Optional[str], t: ForwardTensors, faster, launch: str) -> Tuple[str, Optional[str]]:
+    """("gluon", None) where the predicate gave no ``reason`` and the head dim is among the ``faster`` ones,
+    else ("tl", why not)."""
+    if reason is None and t.q.shape[-1] not in faster:
+        reason = f"head_dim={t.q.shape[-1]}: the tl {launch} kernel is faster there"
     return ("gluon", None) if reason is None else ("tl", reason)
 
 
 def _kernel_plan(t: ForwardTensors, problem: Problem, record: CallRecord, fp32: bool) -> KernelPlan:
-    if fp32:  # fp32 copies: the Gluon kernel is bf16/fp16 only
-        return KernelPlan(kv_major="tl", kv_major_reason="fp32 (the FP32 tier's kernel form)")
-    if problem.padded:  # left padding runs as packed varlen segments, which the Gluon kernel does not take
-        return KernelPlan(kv_major="tl", kv_major_reason="padding mask (may run as varlen)")
-    kv_major, why = kv_major_choice(t, problem, record.context.kv_major)
-    return KernelPlan(kv_major=kv_major, kv_major_reason=why)
+    if fp32:  # fp32 copies: the Gluon kernels are bf16/fp16 only
+        why = "fp32 (the FP32 tier's kernel form)"
+        return KernelPlan(kv_major="tl", kv_major_reason=why, dq_major="tl", dq_major_reason=why)
+    if problem.padded:  # left padding runs as packed varlen segments, which the Gluon kernels do not take
+        why = "padding mask (may run as varlen)"
+        return KernelPlan(kv_major="tl", kv_major_reason=why, dq_major="tl", dq_major_reason=why)
+    kv_major, kv_why = kv_major_choice(t, problem, record.context.kv_major)
+    dq_major, dq_why = dq_major_choice(t, problem, record.context.dq_major)
+    return KernelPlan(kv_major=kv_major, kv_major_reason=kv_why, dq_major=dq_major, dq_major_reason=dq_why)
 
 
 def _tier(record: CallRecord, t: ForwardTensors, has_original: bool, mask_as_flags: bool,

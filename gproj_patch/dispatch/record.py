@@ -67,6 +67,7 @@ class Context:
     source: str
     policy: _config.PolicyConfig = field(default_factory=_config.PolicyConfig)
     kv_major: str = "auto"  # the kernel tier's KV-major launch option (config.KV_MAJOR_OPTIONS)
+    dq_major: str = "auto"  # the kernel tier's dQ-major launch option (config.DQ_MAJOR_OPTIONS)
     cpu_kernel: bool = False  # CPU tensors may run the kernel through Triton's interpreter (config.Config)
 
 
@@ -84,4 +85,5 @@ def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config
     STATE.forward_started(graph_task_id())  # a checkpoint's recomputation runs inside a backward
     name = current_layer() or layer or layer_id()
     return Context(mode=cfg.mode, tier_option=cfg.tier, layer=name, source=source,
-                   policy=effective_config(cfg.policy), kv_major=cfg.kv_major, cpu_kernel=cfg.cpu_kernel)
+                   policy=effective_config(cfg.policy), kv_major=cfg.kv_major, dq_major=cfg.dq_major,
+                   cpu_kernel=cfg.cpu_kernel)

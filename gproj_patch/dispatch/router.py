@@ -62,12 +62,14 @@ def _run_kernel(t: BackwardTensors, problem: Problem, kernel: KernelPlan) -> Gra
     """The kernel tier as planned: its KV-major launch the Gluon kernel or the tl one (counted in
     ``stats()["kv_major"]``), on CUDA or, for CPU tensors the plan allowed, through Triton's interpreter."""
     from ..backends.triton_bwd import launch_planned  # here: triton may be missing (then no plan has this tier)
-    telemetry.record_kv_major(kernel.kv_major, kernel.kv_major_reason)
-    do = t.do.contiguous() if kernel.kv_major == "gluon" else t.do  # TMA needs aligned strides (planned as q's)
+    telemetry.record_kernels(kernel)
+    # TMA needs aligned strides (planned as q's)
+    do = t.do.contiguous() if "gluon" in (kernel.kv_major, kernel.dq_major) else t.do
     mask = MaskSpec(causal=problem.causal, causal_align=problem.causal_align, window=tuple(problem.window),
                     softcap=float(problem.softcap))
     return launch_planned(do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale, mask=mask,
-                          varlen=_varlen(problem), kv_major=kernel.kv_major, sink=problem.sink)
+                          varlen=_varlen(problem), kernels=(kernel.dq_major, kernel.kv_major),
+                          sink=problem.sink)
 
 
 def _varlen(problem: Problem) -> Varlen:

@@ -14,7 +14,9 @@ even over an invalid environment value. Unknown keywords raise.
 | tier                | GPROJ_TIER                | auto (kernel where supported, else FP32 tier),   | auto    |
 |                     |                           | triton (kernel or error), fp32 (FP32 tier)       |         |
 | kv_major            | GPROJ_KV_MAJOR            | auto (the Gluon KV-major launch where supported  | auto    |
-|                     |                           | and faster: sm_90, D=128), tl (never Gluon)      |         |
+|                     |                           | and faster: sm_90, D=64/128), tl (never Gluon)   |         |
+| dq_major            | GPROJ_DQ_MAJOR            | auto (the Gluon dQ-major launch where supported  | auto    |
+|                     |                           | and faster: sm_90), tl (never Gluon)             |         |
 | log_level           | GPROJ_LOG_LEVEL           | DEBUG, INFO, WARNING, ERROR or an int            | WARNING |
 | sample_every        | GPROJ_SAMPLE_EVERY        | int >= 1: detector sampling period in steps      | 20      |
 | gproj_enter / _exit | GPROJ_AUTO_ENTER / _EXIT  | predicted dq leak that moves a layer to / from   | 0.01 /  |
@@ -43,8 +45,9 @@ MODES = ("gproj", "fp32", "off", "auto", "audit")
 POLICY_MODES = ("auto", "audit")
 TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex")
 TIER_OPTIONS = ("auto", "triton", "fp32")
-#: the kernel tier's KV-major launch: "auto" (``plan.kv_major_choice`` chooses per call), "tl"
-KV_MAJOR_OPTIONS = ("auto", "tl")
+#: the kernel tier's KV-major and dQ-major launches: "auto" (``plan.kv_major_choice`` / ``plan.dq_major_choice``
+#: choose per call), "tl"
+KV_MAJOR_OPTIONS = DQ_MAJOR_OPTIONS = ("auto", "tl")
 _LEVELS = MappingProxyType({"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
                             "WARN": logging.WARNING, "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL})
 _TRUE = ("1", "true", "yes", "on")
@@ -157,6 +160,7 @@ class Config:
     targets: Tuple[str, ...] = TARGETS
     tier: str = "auto"
     kv_major: str = "auto"
+    dq_major: str = "auto"
     log_level: int = logging.WARNING
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     #: CPU fp16 tensors may run the GProj kernel through Triton's interpreter: tier "triton" (keyword or
@@ -178,6 +182,7 @@ _CORE: Mapping[str, _Option] = MappingProxyType({
     "targets": _Option("GPROJ_TARGETS", parse_targets, empty_is_value=True),
     "tier": _Option("GPROJ_TIER", lambda n, v: _choice(n, v, TIER_OPTIONS)),
     "kv_major": _Option("GPROJ_KV_MAJOR", lambda n, v: _choice(n, v, KV_MAJOR_OPTIONS)),
+    "dq_major": _Option("GPROJ_DQ_MAJOR", lambda n, v: _choice(n, v, DQ_MAJOR_OPTIONS)),
     "log_level": _Option("GPROJ_LOG_LEVEL", parse_log_level),
 })
 _POLICY: Mapping[str, _Option] = MappingProxyType({

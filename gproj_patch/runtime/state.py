@@ -65,6 +65,9 @@ class RuntimeState:
             # the kernel tier's KV-major launch per call ("gluon" / "tl") and why not the Gluon kernel
             self.kv_major: Counter = Counter()
             self.kv_major_reasons: Counter = Counter()
+            # the same for the dQ-major launch
+            self.dq_major: Counter = Counter()
+            self.dq_major_reasons: Counter = Counter()
             self.logged: set = set()  # (reason, shape class) pairs already logged
             # steps and call numbering
             self.explicit_step: Optional[int] = None

@@ -1,8 +1,9 @@
 """Counters of backward calls per tier and of fallback reasons; each reason is logged once per shape class.
 
 ``stats()`` returns ``{"gproj": n, "fp32": n, "original": n, "forward": {...}, "fallback_reasons": {reason: n},
-"kv_major": {"gluon": n, "tl": n}, "kv_major_reasons": {reason: n}}`` (the last two: which kernel ran the KV-major
-launch of each backward that ran the GProj kernel, and why not the Gluon one).
+"kv_major": {"gluon": n, "tl": n}, "kv_major_reasons": {reason: n}, "dq_major": {...}, "dq_major_reasons": {...}}``
+(the last four: which kernel ran the KV-major and the dQ-major launch of each backward that ran the GProj kernel,
+and why not the Gluon one).
 A *fallback* is any call that did not run the GProj kernel in a mode that asked for it, or that kept the
 original path although the patch was on (e.g. an attention mask that requires grad); its reason is counted
 every time and logged through ``logging.getLogger("gproj_patch")`` the first time a (reason, shape class) pair
@@ -77,13 +78,16 @@ def record_forward(path: str, reason: Optional[str] = None, cls: Tuple = ()) -> 
             _note_reason(reason, cls, "original" if path == "original" else path)
 
 
-def record_kv_major(kernel: str, reason: Optional[str] = None) -> None:
-    """The KV-major launch of a backward that ran the GProj kernel (the kernel tier, or the FP32 tier's kernel
-    form on fp32 copies): "gluon" or "tl" (with why not the Gluon kernel)."""
+def record_kernels(kernel) -> None:
+    """The launches of a backward that ran the GProj kernel (the kernel tier, or the FP32 tier's kernel form on
+    fp32 copies), from its ``plan.KernelPlan``: each launch's kernel, "gluon" or "tl" (with why not Gluon)."""
     with STATE.lock:
-        STATE.kv_major[kernel] += 1
-        if reason:
-            STATE.kv_major_reasons[reason] += 1
+        STATE.kv_major[kernel.kv_major] += 1
+        if kernel.kv_major_reason:
+            STATE.kv_major_reasons[kernel.kv_major_reason] += 1
+        STATE.dq_major[kernel.dq_major] += 1
+        if kernel.dq_major_reason:
+            STATE.dq_major_reasons[kernel.dq_major_reason] += 1
 
 
 def stats() -> dict:
@@ -93,4 +97,6 @@ def stats() -> dict:
         out["fallback_reasons"] = dict(STATE.reasons)
         out["kv_major"] = dict(STATE.kv_major)
         out["kv_major_reasons"] = dict(STATE.kv_major_reasons)
+        out["dq_major"] = dict(STATE.dq_major)
+        out["dq_major_reasons"] = dict(STATE.dq_major_reasons)
         return out

@@ -175,9 +175,17 @@ NOT_GAUGE = ("sharp_p1", "query_offset", "sink64_d128_causal")  # the last: dk 0
 UNCOVERED = ["window", "varlen", "d96", "d256", "softcap"]
 
 
+#: odd shapes only the Gluon dQ-major launch takes (Sq not a multiple of 4: its KV-major launch is then tl's)
+DQ_ODD_CASES = {
+    "odd_sq333_gqa_d128": (1, 4, 2, 333, 333, 128, 128.0, 0.0, torch.bfloat16, dict(causal=True)),
+    "odd_sq65_sk1000_d64_sink": (2, 2, 1, 65, 1000, 64, 64.0, 1.5, torch.bfloat16,
+                                 dict(causal=True, causal_align="bottom_right")),
+}
+
+
 def make_odd(name, seed, device="cuda"):
-    """One of ODD_CASES drawn with ``seed``: (inputs dict, mask kwargs)."""
-    B, H, HKV, SQ, SK, D, offset, sink, dtype, kw = ODD_CASES[name]
+    """One of ODD_CASES (or DQ_ODD_CASES) drawn with ``seed``: (inputs dict, mask kwargs)."""
+    B, H, HKV, SQ, SK, D, offset, sink, dtype, kw = {**ODD_CASES, **DQ_ODD_CASES}[name]
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(B, H, SQ, D, generator=g, device=device, dtype=torch.float64)
     k = _keys((B, HKV, SK, D), offset, g, device)

@@ -85,17 +85,9 @@ def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2,
     without a GPU (the configs of ``gluon_bwd.CONFIGS`` come from it). ``release_pairs``, ``retire_tiles``: the
     variants to build (``KernelConfig``'s flags; rings ``release_pairs`` cannot take are skipped); ``causal``:
     the mask of the call compiled for (causal or full)."""
-    import inspect
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
     from gproj_patch.backends import gluon_kernels
     from gproj_patch.backends.triton_launch import Launch
     fn = gluon_kernels._dkdv_kernel
-    params = list(inspect.signature(fn.fn).parameters)
-    constexprs = [n for n, p in inspect.signature(fn.fn).parameters.items()
-                  if "constexpr" in str(p.annotation) and n != "num_warps"]
     rows = []
     for D in head_dims:
         # CPU tensors shaped like a causal 2·4·1024·D call; the arguments are built as the launch builds them
@@ -112,15 +104,54 @@ def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2,
             tag = dict(D=D, block_m=bm, stages=st, **({"release_pairs": True} if pairs else {}),
                        **({"retire_tiles": True} if rt else {}))
             args = gluon_bwd.dkdv_arguments(job, f, f, f, KernelConfig(bm, st, pairs, retire_tiles=rt))
-            const = {n: args[n] for n in constexprs}
-            const["num_warps"] = gluon_bwd.NUM_WARPS
-            sig = {p: "constexpr" if p in const else mangle_type(args[p]) for p in params}
-            src = GluonASTSource(fn, sig, {(params.index(n),): c for n, c in const.items()})
-            try:
-                k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=gluon_bwd.NUM_WARPS, maxnreg=gluon_bwd.MAXNREG))
-            except Exception as e:
-                rows.append(dict(tag, error=f"{type(e).__name__}: {e}"[:200]))
-                continue
-            rows.append(dict(tag, **cubin_resources(k), smem=k.metadata.shared, serialized=wgmma_serialized(k)))
+            rows.append(dict(tag, **_sm90a_build(fn, args)))
+    return rows
+
+
+def _sm90a_build(fn, args: dict) -> dict:
+    """Compile the Gluon kernel ``fn`` for sm_90a from its launch's keyword arguments (constexprs included), with
+    the launch's warps and maxnreg: registers, stack bytes, shared memory and ``serialized`` — or ``error``."""
+    import inspect
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    params = list(inspect.signature(fn.fn).parameters)
+    const = {n: args[n] for n, p in inspect.signature(fn.fn).parameters.items()
+             if "constexpr" in str(p.annotation) and n != "num_warps"}
+    const["num_warps"] = gluon_bwd.NUM_WARPS
+    sig = {p: "constexpr" if p in const else mangle_type(args[p]) for p in params}
+    src = GluonASTSource(fn, sig, {(params.index(n),): c for n, c in const.items()})
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=gluon_bwd.NUM_WARPS, maxnreg=gluon_bwd.MAXNREG))
+    except Exception as e:
+        return dict(error=f"{type(e).__name__}: {e}"[:200])
+    return dict(**cubin_resources(k), smem=k.metadata.shared, serialized=wgmma_serialized(k))
+
+
+def gluon_dq_compile_report(head_dims=(64, 128), configs=None, causal=True, sink=False):
+    """``gluon_compile_report`` for the Gluon dQ-major kernel: one row per (head dim, ``gluon_dq.DqConfig``;
+    default the shipped ``gluon_dq.CONFIGS``), compiled for sm_90a without a GPU (the one-hot columns stand on
+    the CPU: only their descriptor's type enters the build)."""
+    from unittest import mock
+    from gproj_patch.backends import gluon_dq, gluon_dq_kernels
+    from gproj_patch.backends.triton_launch import Launch, Scratch
+    rows = []
+    for D in head_dims:
+        x = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16)
+        f = torch.empty(2 * 4, 1024, dtype=torch.float32)
+        job = Launch(do=x, q=x, k=x, v=x, o=x, lse=torch.empty(2, 4, 1024), dq=x, dk=x, dv=x,
+                     sink=torch.zeros(4) if sink else None, cu_q=x, cu_k=x, varlen=False, n_problems=2, max_q=1024,
+                     max_k=1024, window=(-1, 0 if causal else -1), bottom_right=False, alpha=D ** -0.5, softcap=0.0,
+                     correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
+        scratch = Scratch(delta=f, lse2=f, lam=f, target=f)
+        for cfg in configs or (gluon_dq.CONFIGS[D],):
+            one_hot = lambda device, dtype, n: torch.zeros(2 * n, gluon_dq.ROWSUM_WIDTH, dtype=dtype)  # noqa
+            with mock.patch.object(gluon_dq, "_one_hot", one_hot):
+                gluon_dq._launch_class.cache_clear()
+                args = gluon_dq.dq_arguments(job, scratch, cfg)
+                gluon_dq._launch_class.cache_clear()
+            rows.append(dict(D=D, block_n=cfg.block_n, stages=cfg.num_stages,
+                             **_sm90a_build(gluon_dq_kernels._dq_kernel, args)))
     return rows

@@ -11,13 +11,8 @@ from gproj_patch.backends import gluon_bwd
 from gproj_patch.backends.gluon_bwd import kv_major_reason
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward
+from tests.helpers.launch_choice import qkv, sdpa_fp16_causal
 
-
-def _qkv(sq=64, sk=64, d=128, dtype=torch.bfloat16, h=2, hkv=2):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, h, sq, d, generator=g).to(dtype)
-    k = torch.randn(1, hkv, sk, d, generator=g).to(dtype)
-    return q, k, k.clone(), q.clone()
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -28,7 +23,7 @@ def _qkv(sq=64, sk=64, d=128, dtype=torch.bfloat16, h=2, hkv=2):
     (dict(dk_form="two_product"), "two_product"),
 ])
 def test_uncovered_options_get_a_reason(kwargs, fragment):
-    q, k, v, do = _qkv()
+    q, k, v, do = qkv()
     reason = kv_major_reason(q, k, v, do=do, **kwargs)
     assert reason is not None and fragment in reason
 
@@ -40,7 +35,7 @@ def test_uncovered_options_get_a_reason(kwargs, fragment):
     ((64, 64, 128), torch.bfloat16, "device=cpu"),
 ])
 def test_uncovered_inputs_get_a_reason(shape, dtype, fragment):
-    q, k, v, do = _qkv(*shape, dtype=dtype)
+    q, k, v, do = qkv(*shape, dtype=dtype)
     reason = kv_major_reason(q, k, v, do=do)
     if gluon_bwd.UNAVAILABLE_REASON is not None:  # a Triton without Gluon: that is the reason for everything
         assert reason == gluon_bwd.UNAVAILABLE_REASON
@@ -61,13 +56,13 @@ def test_kv_major_kernel_prefers_tl_where_gluon_is_not_faster(monkeypatch):
     machine has no sm_90): the rule under test is the plan's speed preference."""
     monkeypatch.setattr(gluon_bwd, "kv_major_reason", lambda *a, **kw: None)
     monkeypatch.setattr(gluon_bwd, "FASTER_HEAD_DIMS", (128,))
-    assert _choice(*_qkv(d=64)[:3]) == ("tl", "head_dim=64: the tl KV-major kernel is faster there")
-    assert _choice(*_qkv(d=128)[:3]) == ("gluon", None)
-    assert _choice(*_qkv(d=128)[:3], option="tl")[0] == "tl"
+    assert _choice(*qkv(d=64)[:3]) == ("tl", "head_dim=64: the tl KV-major kernel is faster there")
+    assert _choice(*qkv(d=128)[:3]) == ("gluon", None)
+    assert _choice(*qkv(d=128)[:3], option="tl")[0] == "tl"
     monkeypatch.undo()
     assert set(gluon_bwd.FASTER_HEAD_DIMS) <= set(gluon_bwd.GLUON_HEAD_DIMS)
     if gluon_bwd.UNAVAILABLE_REASON is None:  # the real predicate on this CPU: the device
-        assert _choice(*_qkv(d=64)[:3]) == ("tl", "device=cpu")
+        assert _choice(*qkv(d=64)[:3]) == ("tl", "device=cpu")
 
 
 @pytest.fixture
@@ -76,7 +71,7 @@ def interpreter(monkeypatch):
 
 
 def test_explicit_kv_major_is_checked(interpreter):
-    q, k, v, do = _qkv(dtype=torch.float16)
+    q, k, v, do = qkv(dtype=torch.float16)
     o, lse = reference_forward(q, k, v)
     with pytest.raises(ValueError, match="kv_major='gluon'"):
         gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="gluon")
@@ -331,7 +326,7 @@ def test_unavailable_gluon_sends_every_call_to_tl(monkeypatch, interpreter):
     """When the Gluon kernel cannot run in this process (an unchecked Triton release, no Gluon), the choice is
     the tl kernel with that reason, and asking for Gluon explicitly is a clear error."""
     monkeypatch.setattr(gluon_bwd, "UNAVAILABLE_REASON", "triton 9.9.0: the Gluon kernel was checked against 3.6")
-    q, k, v, do = _qkv(dtype=torch.float16)  # fp16 on CPU: the tl kernel's own predicate accepts it here
+    q, k, v, do = qkv(dtype=torch.float16)  # fp16 on CPU: the tl kernel's own predicate accepts it here
     assert _choice(q, k, v) == ("tl", "triton 9.9.0: the Gluon kernel was checked against 3.6")
     from gproj_patch.backends.gluon_entry import gluon_supported_reason
     assert "triton 9.9.0" in gluon_supported_reason(q, k, v, do=do)
@@ -340,16 +335,11 @@ def test_unavailable_gluon_sends_every_call_to_tl(monkeypatch, interpreter):
         gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="gluon")
 
 
-def _sdpa_fp16_causal(seed=5):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v, do = (torch.randn(1, 2, 24, 16, generator=g).to(torch.float16) for _ in range(4))
-    return q, k + 8.0, v, do
-
 
 def test_kv_major_option_tl_is_recorded_at_forward_and_counted(interpreter, monkeypatch):
     """``kv_major="tl"`` (GPROJ_KV_MAJOR) keeps every call on the tl KV-major launch; the option is part of the
     record made at forward time, so a backward that runs after the option changed still follows its forward."""
-    q, k, v, do = _sdpa_fp16_causal()
+    q, k, v, do = sdpa_fp16_causal()
     gproj_patch.enable(mode="gproj", kv_major="tl")
     try:
         gproj_patch.reset_stats()
