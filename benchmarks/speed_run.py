@@ -14,10 +14,12 @@
 2. Timing (``device_check.bench``: ``triton.testing.do_bench`` median) of forward+backward and of the forward
    alone (backward = the difference) at ``device_check.SHAPES``, the variants interleaved over ``--rounds``
    rounds (medians; each round's fwd+bwd kept in the cell's ``rounds``), variants: ``cudnn`` (SDPA forced to cuDNN),
-   ``sdpa_tl`` / ``sdpa_gluon`` / ``sdpa_routed`` (SDPA, cuDNN forward, the patch on with ``kv_major="tl"``,
-   Gluon forced — the plan's faster-head-dim list widened for the variant — and ``kv_major="auto"``),
-   ``fa4`` (``flash_attn.cute.interface.flash_attn_func``, B·S·H·D) and ``fa4_patched``. Each cell checks which
-   KV-major kernel ran (``stats()["kv_major"]``); a cell whose kernel is not the variant's is "n/a".
+   ``sdpa_tl`` / ``sdpa_gluon`` / ``sdpa_routed`` (SDPA, cuDNN forward, the patch on with both launches tl
+   (``kv_major="tl"``, ``dq_major="tl"``); the Gluon KV-major launch forced — the plan's faster-head-dim list
+   widened for the variant — with the tl dQ-major one (the routing of runs 45–55); and both options "auto", the
+   plan's routing), ``fa4`` (``flash_attn.cute.interface.flash_attn_func``, B·S·H·D) and ``fa4_patched``. Each
+   cell checks which KV-major kernel ran (``stats()["kv_major"]``; a cell whose kernel is not the variant's is
+   "n/a") and records the dQ-major one (``stats()["dq_major"]``).
    TFLOP/s (``device_check.tflops``): 2·P·B·Hq·S²·D, halved when causal, P = 7 forward+backward (2 forward
    + the standard backward's 5 products), P = 5 the backward alone (GProj runs 8: its own rate is 8/5 of that).
 3. Host µs per forward+backward call at 1·2·128·64 causal, unpatched / ``gproj`` / ``auto`` (``host_trace``).
@@ -81,12 +83,13 @@ class Variant:
     name: str
     library: str                       # "sdpa" | "fa4"
     kv_major: Optional[str] = None     # None: the patch off; else enable(kv_major=...)
+    dq_major: str = "auto"             # enable(dq_major=...) when the patch is on
     force_gluon: bool = False          # the plan's faster-head-dim list widened: Gluon wherever it can run
     want_kernel: Optional[str] = None  # the KV-major kernel that must have run ("tl", "gluon"), None: any
 
 
-VARIANTS = (Variant("cudnn", "sdpa"), Variant("sdpa_tl", "sdpa", "tl", want_kernel="tl"),
-            Variant("sdpa_gluon", "sdpa", "auto", force_gluon=True, want_kernel="gluon"),
+VARIANTS = (Variant("cudnn", "sdpa"), Variant("sdpa_tl", "sdpa", "tl", dq_major="tl", want_kernel="tl"),
+            Variant("sdpa_gluon", "sdpa", "auto", dq_major="tl", force_gluon=True, want_kernel="gluon"),
             Variant("sdpa_routed", "sdpa", "auto"), Variant("fa4", "fa4"), Variant("fa4_patched", "fa4", "auto"))
 
 
@@ -111,7 +114,7 @@ def armed(variant: Variant, run: Run, poison: bool = False):
     gproj_patch.reset_stats()
     with contextlib.ExitStack() as stack:
         if variant.kv_major is not None:
-            gproj_patch.enable(mode="gproj", tier="triton", kv_major=variant.kv_major)
+            gproj_patch.enable(mode="gproj", tier="triton", kv_major=variant.kv_major, dq_major=variant.dq_major)
             stack.callback(gproj_patch.disable)
             if poison:
                 stack.enter_context(mock.patch.object(triton_bwd, "_POISON_OUTPUTS", True))
@@ -219,8 +222,9 @@ def time_cell(variant: Variant, shape, tensors, run: Run) -> dict:
         fwdbwd = bench(step, run)
         fwd = bench(lambda: call(q, k, v), run)
         kernels = gproj_patch.stats()["kv_major"]
+        dq_kernels = gproj_patch.stats()["dq_major"]
     bwd = fwdbwd - fwd
-    return dict(status="ok", fwdbwd=fwdbwd, fwd=fwd, bwd=bwd, kv_major=kernels,
+    return dict(status="ok", fwdbwd=fwdbwd, fwd=fwd, bwd=bwd, kv_major=kernels, dq_major=dq_kernels,
                 tflops=dc.tflops(shape, fwdbwd, products=FWD_PRODUCTS + BWD_PRODUCTS),
                 bwd_tflops=dc.tflops(shape, bwd, products=BWD_PRODUCTS))
 
@@ -253,7 +257,8 @@ def timing(run: Run, shapes, gates: dict, stop_at: float, rounds: int = 1) -> li
                 row["cells"][variant.name] = cell
                 log(f"{label(shape):26s} {variant.name:12s} r{r} " + (
                     f"fwd+bwd {cell['fwdbwd']:8.3f} ms  fwd {cell['fwd']:7.3f}  bwd {cell['bwd']:8.3f}  "
-                    f"{cell['tflops']:6.1f} TFLOP/s  rounds {cell['rounds']}  kv_major {cell['kv_major']}"
+                    f"{cell['tflops']:6.1f} TFLOP/s  rounds {cell['rounds']}  kv_major {cell['kv_major']}  "
+                    f"dq_major {cell['dq_major']}"
                     if cell["status"] == "ok" else f"{cell['status']}: {cell.get('why', '')}"))
         rows.append(row)
         del tensors
