@@ -38,8 +38,11 @@ from tests.helpers import adversarial as adv  # noqa: E402
 LOG = []
 T_START = time.time()
 #: dQ-major configs timed against the default (the launch alone)
-VARIANTS = {64: (DqConfig(64, 2), DqConfig(64, 3), DqConfig(32, 3), DqConfig(128, 2)),
-            128: (DqConfig(64, 2), DqConfig(64, 3), DqConfig(32, 2), DqConfig(32, 3))}
+VARIANTS = {64: (DqConfig(64, 2), DqConfig(64, 2, overlap=True), DqConfig(64, 3, overlap=True)),
+            128: (DqConfig(64, 2), DqConfig(64, 2, overlap=True), DqConfig(64, 3, overlap=True),
+                  DqConfig(64, 3))}
+#: the default's tiles and ring with the other ``overlap`` setting: the same products in the same order (bitwise)
+OTHER_OVERLAP = {d: DqConfig(c.block_n, c.num_stages, overlap=not c.overlap) for d, c in CONFIGS.items()}
 #: (B, Hq, Hkv, S, D, causal): the issue's shapes
 SHAPES = [(4, 16, 16, 4096, 64, True), (4, 16, 16, 4096, 128, True), (2, 16, 16, 8192, 128, False),
           (1, 16, 16, 16384, 128, True), (2, 32, 8, 8192, 128, True)]
@@ -90,7 +93,8 @@ def check_case(name, seed):
     ref = reference_backward(q, k, v, do, **kw, **skw)
     kv = _kv_kernel(q, k, v, do, kw)
     row = dict(case=name, kv_major=kv, gauge=name not in adv.NOT_GAUGE, shape=list(q.shape) + [k.shape[2]])
-    run = lambda dq_major: gproj_backward(do, q, k, v, o, lse, dq_major=dq_major, kv_major=kv, **kw, **skw)  # noqa
+    run = lambda dq_major, cfg=None: gproj_backward(do, q, k, v, o, lse, dq_major=dq_major, kv_major=kv,  # noqa
+                                                    _gluon_dq_config=cfg, **kw, **skw)
     try:
         g1 = run("gluon")
     except ValueError as e:
@@ -107,6 +111,7 @@ def check_case(name, seed):
         row[f"tl_{nm}"] = adv.rel(a, r)
     row["dq_vs_tl"] = adv.rel(g1[0], tl[0])
     row["dkdv_bitwise_tl"] = _same(g1[1:3], tl[1:3])
+    row["overlap_bitwise"] = _same(g1, run("gluon", OTHER_OVERLAP[q.shape[-1]]))
     if name == "witness":
         row["dq0"] = float(g1[0].abs().max())
     if name == "empty_rows_br":
@@ -165,6 +170,8 @@ def suite_bad(rows):
                 bad.append((r["case"], "not finite or not deterministic"))
             if r["gauge"] and max(r["dq"], r["dk"], r["dv"]) >= adv.TARGET:
                 bad.append((r["case"], "error over 0.5%"))
+            if not r["overlap_bitwise"]:
+                bad.append((r["case"], "overlap on/off not bitwise equal"))
             if r.get("dq0", 0.0) != 0.0 or r.get("empty_rows_zero") is False:
                 bad.append((r["case"], "an exactly-zero dq is not zero"))
     return bad
@@ -203,7 +210,7 @@ def time_shape(B, H, HKV, S, D, causal, budget):
         res[f"{tag}_dq"] = _alone(f, "dq")
         res[f"{tag}_kernels"] = dict(triton_bwd.LAST_KERNELS)
     for cfg in VARIANTS[D]:
-        name = f"n{cfg.block_n}s{cfg.num_stages}"
+        name = f"n{cfg.block_n}s{cfg.num_stages}{'o' if cfg.overlap else ''}"
         if time.time() - T_START > budget:
             res[f"var_{name}"] = "skipped (budget)"
             continue
@@ -227,15 +234,16 @@ def _shape_name(s):
 
 
 def tables(rows, timing):
-    log("\n| case | kv | dq | dk | dv | tl dq | dq vs tl | det | dk,dv = tl's | note |")
-    log("|---|---|---|---|---|---|---|---|---|---|")
+    log("\n| case | kv | dq | dk | dv | tl dq | dq vs tl | det | dk,dv = tl's | = other overlap | note |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "dq" in r:
             note = ("dq0=%g" % r["dq0"]) if "dq0" in r else ("" if r["gauge"] else "not gauge")
             if "dsink" in r:
                 note += f" dsink {r['dsink']:.2e}"
             log(f"| {r['case']} | {r['kv_major']} | {r['dq']:.3%} | {r['dk']:.3%} | {r['dv']:.3%} | {r['tl_dq']:.3%} |"
-                f" {r['dq_vs_tl']:.1e} | {r['deterministic']} | {r['dkdv_bitwise_tl']} | {note} |")
+                f" {r['dq_vs_tl']:.1e} | {r['deterministic']} | {r['dkdv_bitwise_tl']} | {r['overlap_bitwise']} |"
+                f" {note} |")
         elif "err" in r:
             log(f"| {r['case']} | other heads finite {r['finite']}, max err {r['err']:.3%} |")
         else:

@@ -48,15 +48,17 @@ LAUNCH_CLASS_CACHE_SIZE = 64
 
 @dataclass(frozen=True)
 class DqConfig:
-    """Keys of one streamed K/V tile and the depth of the TMA ring."""
+    """Keys of one streamed K/V tile, the depth of the TMA ring, and ``overlap``: each consumer's exp2 under its
+    own dP product and dS under its r products (``gluon_dq_kernels._tile``; the same numerics)."""
     block_n: int
     num_stages: int
+    overlap: bool = False
 
 
 #: per head dim, timed on the H200 against 64/32-key tiles and 2/3-slot rings (``benchmarks/gluon_dq_check.py``,
 #: BENCHMARKS.md run 56). The D=128 build spills (a 128–144 byte stack frame: Σ t·K and Σ r·K hold 128 registers);
 #: a 32-key tile spills nothing and was slower
-CONFIGS = {64: DqConfig(64, 2), 128: DqConfig(64, 2)}
+CONFIGS = {64: DqConfig(64, 2, overlap=True), 128: DqConfig(64, 2, overlap=True)}
 #: head dims where it is the default (``plan.dq_major_choice``): faster than the tl dQ-major launch at every
 #: shape timed (run 56: the launch alone ×0.94–0.95 at D=128, ×0.98 at D=64; the whole backward ×0.96–0.99)
 FASTER_HEAD_DIMS = (64, 128)
@@ -117,7 +119,7 @@ def _launch_class(shapes, strides, sink_stride: Optional[int], mask: Tuple[bool,
                    sdq_b=dq_strides[0], sdq_h=dq_strides[1], sdq_s=dq_strides[2], sdq_d=dq_strides[3],
                    H=H, GROUP=H // HKV, SQ=SQ, SK=SK, shift=SK - SQ if (causal and bottom_right) else 0,
                    scale=alpha, scale_log2=alpha * LOG2_E, CAUSAL=causal, HAS_SINK=sink_stride is not None,
-                   NUM_STAGES=cfg.num_stages)
+                   NUM_STAGES=cfg.num_stages, OVERLAP=cfg.overlap)
     if sink_stride is None:
         scalars["ssink"] = 0
     return _LaunchClass(grid=(triton.cdiv(SQ, ROWS_PER_CTA), H, B), tiles=tiles, one_hot=one_hot,

@@ -78,9 +78,11 @@ def _producer(q_desc, do_desc, k_desc, v_desc, e_desc, q_s, do_s, k_s, v_s, e_s,
 
 @gluon.jit
 def _tile(q_t, do_t, k_s, v_s, e0_t, e1_t, ready, empty, acc, racc, sacc, j, offs_m, lse2, delta, full_hi, SK,
-          shift, scale_log2, CAUSAL: gl.constexpr, FIRST: gl.constexpr):
+          shift, scale_log2, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, FIRST: gl.constexpr):
     """Key tile j of the ring: S, dP, then Σ t·K, Σ r·K and ρ, m, retired within the tile; returns the three
-    accumulators. ``FIRST`` (the peeled tile 0): the products start the accumulators (use_acc=False)."""
+    accumulators. ``FIRST`` (the peeled tile 0): the products start the accumulators (use_acc=False).
+    ``OVERLAP``: the warpgroup's own elementwise work under its products — P's exp2 while dP is on the tensor
+    cores, dS while the r products are — the same products, each accumulator's in the same order."""
     NUM_STAGES: gl.constexpr = k_s.shape[0]
     BLOCK_N: gl.constexpr = k_s.shape[1]
     HEAD_DIM: gl.constexpr = k_s.shape[2]
@@ -100,7 +102,10 @@ def _tile(q_t, do_t, k_s, v_s, e0_t, e1_t, ready, empty, acc, racc, sacc, j, off
                       use_acc=False, is_async=True)
     dp = warpgroup_mma(do_t, v_t.permute((1, 0)), gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, s_layout),
                        use_acc=False, is_async=True)
-    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    if OVERLAP:
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S only: dP is still running
+    else:
+        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
     # P = 2^(S·α·log2 e − LSE2): the forward's probabilities (0 on rows that saw no key: LSE2 = +inf)
     p = gl.exp2(s * scale_log2 - lse2[:, None])
     # a runtime branch around elementwise code only: tiles across this warpgroup's diagonal or the keys' end
@@ -115,13 +120,23 @@ def _tile(q_t, do_t, k_s, v_s, e0_t, e1_t, ready, empty, acc, racc, sacc, j, off
     # rounds, r = low(P) the one its dV product rounds
     r = p.to(dtype)
     r_a = gl.convert_layout(r, a_layout)
-    t = (p * (dp - delta[:, None])).to(dtype)
-    t_a = gl.convert_layout(t, a_layout)
-    # Σ_j t_ij k_j, Σ_j r_ij k_j (fp32), and ρ_i += Σ_j t_ij, m_i += Σ_j r_ij on the tensor cores (one-hot B)
-    acc = warpgroup_mma(t_a, k_t, acc, use_acc=not FIRST, is_async=True)
-    sacc = warpgroup_mma(gl.convert_layout(t, a_sum_layout), e0_t, sacc, use_acc=not FIRST, is_async=True)
-    racc = warpgroup_mma(r_a, k_t, racc, use_acc=not FIRST, is_async=True)
-    sacc = warpgroup_mma(gl.convert_layout(r, a_sum_layout), e1_t, sacc, use_acc=True, is_async=True)
+    if OVERLAP:
+        # Σ_j r_ij k_j and m_i += Σ_j r_ij first (one-hot B; its other columns add exact zeros to ρ): they run
+        # while dS is formed
+        racc = warpgroup_mma(r_a, k_t, racc, use_acc=not FIRST, is_async=True)
+        sacc = warpgroup_mma(gl.convert_layout(r, a_sum_layout), e1_t, sacc, use_acc=not FIRST, is_async=True)
+        dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp,))  # dP done; the two r products may still run
+        t = (p * (dp - delta[:, None])).to(dtype)
+        acc = warpgroup_mma(gl.convert_layout(t, a_layout), k_t, acc, use_acc=not FIRST, is_async=True)
+        sacc = warpgroup_mma(gl.convert_layout(t, a_sum_layout), e0_t, sacc, use_acc=True, is_async=True)
+    else:
+        t = (p * (dp - delta[:, None])).to(dtype)
+        t_a = gl.convert_layout(t, a_layout)
+        # Σ_j t_ij k_j, Σ_j r_ij k_j (fp32), and ρ_i += Σ_j t_ij, m_i += Σ_j r_ij on the tensor cores (one-hot B)
+        acc = warpgroup_mma(t_a, k_t, acc, use_acc=not FIRST, is_async=True)
+        sacc = warpgroup_mma(gl.convert_layout(t, a_sum_layout), e0_t, sacc, use_acc=not FIRST, is_async=True)
+        racc = warpgroup_mma(r_a, k_t, racc, use_acc=not FIRST, is_async=True)
+        sacc = warpgroup_mma(gl.convert_layout(r, a_sum_layout), e1_t, sacc, use_acc=True, is_async=True)
     # retired within the tile: the slot's K is read by these products, so it is handed back only after them
     acc, racc, sacc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, racc, sacc))
     acc = warpgroup_mma_init(acc)
@@ -135,7 +150,7 @@ def _tile(q_t, do_t, k_s, v_s, e0_t, e1_t, ready, empty, acc, racc, sacc, j, off
 def _consumer(q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT,
               so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
               b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2,
-              CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, WG: gl.constexpr):
+              CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, OVERLAP: gl.constexpr, WG: gl.constexpr):
     """dq and λ of query rows [m0 + WG·ROWS_PER_WG, + ROWS_PER_WG) over the key tiles they see; first their
     rows' D, LSE2 (and T) to the scratch."""
     BLOCK_N: gl.constexpr = k_s.shape[1]
@@ -189,10 +204,10 @@ def _consumer(q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, 
     zero = gl.zeros([ROWS_PER_WG, HEAD_DIM], gl.float32, acc_layout)
     zero_sum = gl.zeros([ROWS_PER_WG, ROWSUM_WIDTH], gl.float32, sum_layout)
     acc, racc, sacc = _tile(q_t, do_t, k_s, v_s, e0_t, e1_t, ready, empty, zero, zero, zero_sum, 0, offs_m, lse2,
-                            delta, full_hi, SK, shift, scale_log2, CAUSAL, True)
+                            delta, full_hi, SK, shift, scale_log2, CAUSAL, OVERLAP, True)
     for j in range(1, n_mine):
         acc, racc, sacc = _tile(q_t, do_t, k_s, v_s, e0_t, e1_t, ready, empty, acc, racc, sacc, j, offs_m, lse2,
-                                delta, full_hi, SK, shift, scale_log2, CAUSAL, False)
+                                delta, full_hi, SK, shift, scale_log2, CAUSAL, OVERLAP, False)
     NUM_STAGES: gl.constexpr = k_s.shape[0]
     for j in range(n_mine, n_tiles):
         # tiles only the other warpgroup's rows see: wait for each (so that the slot's phases stay in step), hand
@@ -223,7 +238,8 @@ def _consumer(q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, 
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, e_desc, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT,
                so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
                H, GROUP, SQ, SK, shift, scale, scale_log2,
-               CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+               CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+               num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -260,10 +276,10 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, e_desc, O, LSE, SINK, DQ, Delta,
     gl.warp_specialize([
         (_consumer, (q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT,
                      so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
-                     b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2, CAUSAL, HAS_SINK, 0)),
+                     b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2, CAUSAL, HAS_SINK, OVERLAP, 0)),
         (_consumer, (q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT,
                      so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
-                     b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2, CAUSAL, HAS_SINK, 1)),
+                     b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2, CAUSAL, HAS_SINK, OVERLAP, 1)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, e_desc, q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty,
                      b, h, hk, m0, n_tiles)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
