@@ -58,7 +58,7 @@ class DqConfig:
 #: per head dim, timed on the H200 against 64/32-key tiles and 2/3-slot rings (``benchmarks/gluon_dq_check.py``,
 #: BENCHMARKS.md run 56). The D=128 build spills (a 128–144 byte stack frame: Σ t·K and Σ r·K hold 128 registers);
 #: a 32-key tile spills nothing and was slower
-CONFIGS = {64: DqConfig(64, 2, overlap=True), 128: DqConfig(64, 2, overlap=True)}
+CONFIGS = {64: DqConfig(64, 2), 128: DqConfig(64, 2)}
 #: head dims where it is the default (``plan.dq_major_choice``): faster than the tl dQ-major launch at every
 #: shape timed (run 56: the launch alone ×0.94–0.95 at D=128, ×0.98 at D=64; the whole backward ×0.96–0.99)
 FASTER_HEAD_DIMS = (64, 128)
