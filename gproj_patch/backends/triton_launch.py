@@ -178,8 +178,10 @@ def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernel
     kq = kk = None
     if job.max_q == 0:
         return scratch.target  # every sequence has no query: dk, dv are the zeros already there
-    # compiled launches replay a prepared launch of the same shape class (launch_cache); interpreted ones bind
-    key = None if interpret else launch_key(job)
+    # compiled launches replay a prepared launch of the same shape class (launch_cache); interpreted ones bind.
+    # The Gluon launches key their own shape classes: with both Gluon, no tl key is built (host time)
+    both_gluon = job.dq_major == "gluon" and job.kv_major == "gluon"
+    key = None if interpret or both_gluon else launch_key(job)
 
     def run(kind: str):
         fn = getattr(km, KERNELS[kind])
