@@ -19,7 +19,8 @@ scratch the KV-major launch reads.
   two tiles' operands at once, and ptxas keeps the wgmmas async (as the KV-major kernel's ``RETIRE_TILES``).
   The two warpgroups run out of step, so one's exp2/dS phase overlaps the other's products on the tensor cores.
   A consumer whose rows see fewer key tiles than the block (causal: the first warpgroup's rows end earlier)
-  hands the remaining slots back unread.
+  hands the remaining slots back unread. With ``OVERLAP`` a consumer also overlaps its own elementwise work
+  with its products (P's exp2 under dP, dS under the two r products; bitwise the same results).
 
 At the end: λ = (ρ − T)/m (0 where m = 0), dq = α(Σ t·K − λ·Σ r·K), stored with λ.
 
