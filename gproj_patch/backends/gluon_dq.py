@@ -60,8 +60,9 @@ class DqConfig:
 #: a 32-key tile spills nothing and was slower
 CONFIGS = {64: DqConfig(64, 2), 128: DqConfig(64, 2)}
 #: head dims where it is the default (``plan.dq_major_choice``): faster than the tl dQ-major launch at every
-#: shape timed (run 56: the launch alone ×0.94–0.95 at D=128, ×0.98 at D=64; the whole backward ×0.96–0.99)
-FASTER_HEAD_DIMS = (64, 128)
+#: shape timed in runs 56 and 57 (D=128: the launch alone ×0.94–0.95, the backward ×0.96–0.98 in run 56 and
+#: ×0.97–0.99 of the tl-dQ routing in run 57). D=64 is not: ×0.98 alone in run 56, the backward +2% in run 57
+FASTER_HEAD_DIMS = (128,)
 
 
 def dq_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Optional[torch.Tensor] = None,

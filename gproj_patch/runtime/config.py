@@ -16,7 +16,7 @@ even over an invalid environment value. Unknown keywords raise.
 | kv_major            | GPROJ_KV_MAJOR            | auto (the Gluon KV-major launch where supported  | auto    |
 |                     |                           | and faster: sm_90, D=64/128), tl (never Gluon)   |         |
 | dq_major            | GPROJ_DQ_MAJOR            | auto (the Gluon dQ-major launch where supported  | auto    |
-|                     |                           | and faster: sm_90), tl (never Gluon)             |         |
+|                     |                           | and faster: sm_90, D=128), tl (never Gluon)      |         |
 | log_level           | GPROJ_LOG_LEVEL           | DEBUG, INFO, WARNING, ERROR or an int            | WARNING |
 | sample_every        | GPROJ_SAMPLE_EVERY        | int >= 1: detector sampling period in steps      | 20      |
 | gproj_enter / _exit | GPROJ_AUTO_ENTER / _EXIT  | predicted dq leak that moves a layer to / from   | 0.01 /  |

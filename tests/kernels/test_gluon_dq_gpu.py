@@ -54,15 +54,23 @@ def _run(q, k, v, do, o, lse, kw, **extra):
 
 @pytest.mark.parametrize("name", CASES)
 def test_cases_vs_fp64(name):
-    """Every gradient within the 0.5% gauge target of fp64 (the cases outside the gauge regime: within 1%, the
-    tl dQ-major launch's measured bound there); bitwise the same on a second launch."""
+    """Gauge cases: every gradient within the 0.5% target of fp64. The cases beyond it (``adversarial.NOT_GAUGE``:
+    P == 1 rows, whose exact dq is ~0, and a P ≈ 1 − 1e-5 sink; the CPU emulation of the contract gives sharp_p1
+    dq errors from 0.1% to 100% by seed): no further from fp64 than the tl dQ-major launch on the same inputs.
+    Bitwise the same on a second launch."""
     q, k, v, do, o, lse, kw = _inputs(name, seed=23)
     grads = _run(q, k, v, do, o, lse, kw)
     again = _run(q, k, v, do, o, lse, kw)
     ref = reference_backward(q, k, v, do, **kw)
     assert all(bool(torch.isfinite(g).all()) for g in grads), name
-    bound = adv.TARGET if name not in adv.NOT_GAUGE else 2 * adv.TARGET
-    assert max(adv.rel(a, r) for a, r in zip(grads, ref)) < bound, name
+    errs = [adv.rel(a, r) for a, r in zip(grads, ref)]
+    if name in adv.NOT_GAUGE:
+        kv = "gluon" if gluon_supported_reason(q, k, v, do=do, **kw) is None else "tl"
+        tl = gproj_backward(do, q, k, v, o, lse, dq_major="tl", kv_major=kv, **kw)
+        tl_errs = [adv.rel(a, r) for a, r in zip(tl, ref)]
+        assert all(e <= 1.05 * t + 1e-3 for e, t in zip(errs, tl_errs)), (name, errs, tl_errs)
+    else:
+        assert max(errs) < adv.TARGET, (name, errs)
     assert all(torch.equal(a, b) for a, b in zip(grads, again)), name
 
 
@@ -101,10 +109,10 @@ def test_nonfinite_rows_of_another_head_stay_there(head_dim, causal):
     assert max(adv.rel(x, r) for x, r in zip(got, ref)) < adv.TARGET
 
 
-@pytest.mark.parametrize("head_dim,expected", [(128, "gluon"), (64, "gluon"), (96, "tl")])
+@pytest.mark.parametrize("head_dim,expected", [(128, "gluon"), (64, "tl"), (96, "tl")])
 def test_patched_sdpa_counts_its_dq_major_kernel(head_dim, expected):
-    """Through the public API: the plan picks the Gluon dQ-major launch where it was measured faster (D=64, 128),
-    the tl one elsewhere, per call; ``stats()`` counts which ran; the gradients match the fp64 oracle."""
+    """Through the public API: the plan picks the Gluon dQ-major launch where it was measured faster (D=128),
+    the tl one elsewhere (D=64: not faster in run 57; D=96: no Gluon build), per call; ``stats()`` counts which ran; the gradients match the fp64 oracle."""
     import gproj_patch
     g = torch.Generator(device="cuda").manual_seed(9)
     q, k, v, do = (torch.randn(2, 4, 510, head_dim, generator=g, device="cuda").to(torch.bfloat16)
