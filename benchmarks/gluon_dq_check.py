@@ -29,6 +29,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from gluon_check import _bench, _same  # noqa: E402  (benchmarks/gluon_check.py: do_bench median, bitwise equal)
 from gproj_patch.backends import triton_bwd  # noqa: E402
 from gproj_patch.backends.gluon_dq import CONFIGS, DqConfig  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
@@ -55,9 +56,6 @@ def log(*a):
     print(line, flush=True)
     LOG.append(line)
 
-
-def _same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _inputs(name, seed):
@@ -176,10 +174,6 @@ def suite_bad(rows):
                 bad.append((r["case"], "an exactly-zero dq is not zero"))
     return bad
 
-
-def _bench(fn):
-    import triton.testing as tt
-    return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def _alone(fn, part):

@@ -17,8 +17,8 @@ with a contiguous last dimension and 16-byte-aligned base and strides (TMA); Sq 
 
 Host cost per launch: everything but the tensors' addresses depends on the call's shape class (shapes,
 strides, dtype, mask, config), cached (``_launch_class``: grid, scalars, the TMA descriptors validated once by
-Gluon's constructor); a call binds its tensors into those templates (``bound_descriptor``) and replays the class's prepared
-launch (``launch_cache``: Triton's launcher called directly, no argument binding).
+Gluon's constructor); a call binds its tensors into those templates (``bound_descriptor``) and replays the class's
+prepared launch (``launch_cache``: Triton's launcher called directly, no argument binding).
 
 ``gluon_entry.gluon_backward`` (``gproj_backward(..., kv_major="gluon")``) runs it explicitly (tests, benchmarks; ValueError where
 ``kv_major_reason`` refuses the call). This module imports nothing from ``triton_bwd`` (no import cycle).
@@ -192,7 +192,8 @@ def gluon_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Optio
 LOG2_E = math.log2(math.e)
 #: the public fields of Gluon's host ``TensorDescriptor`` (a plain dataclass in triton 3.6, whose constructor
 #: only stores them and validates): a launch's descriptor is its shape class's template, built and validated
-#: once by that constructor, with the call's tensor as base (``bound_descriptor``: 0.3 µs instead of 3 µs a descriptor)
+#: once by that constructor, with the call's tensor as base (``bound_descriptor``: 0.3 µs instead of 3 µs a
+#: descriptor)
 DESCRIPTOR_FIELDS = ("base", "shape", "strides", "block_shape", "layout", "padding")
 #: entries of the shape-class cache (``_launch_class``): distinct (shapes, strides, dtype, mask, config) a
 #: process launches; each entry is a few small templates (no tensor of the call)
@@ -200,7 +201,8 @@ LAUNCH_CLASS_CACHE_SIZE = 64
 
 
 def _fast_descriptors() -> bool:
-    """True where ``TensorDescriptor`` has exactly ``DESCRIPTOR_FIELDS`` (else ``bound_descriptor`` takes the constructor)."""
+    """True where ``TensorDescriptor`` has exactly ``DESCRIPTOR_FIELDS`` (else ``bound_descriptor`` takes the
+    constructor)."""
     return UNAVAILABLE_REASON is None and tuple(f.name for f in fields(TensorDescriptor)) == DESCRIPTOR_FIELDS
 
 
@@ -224,8 +226,8 @@ def bound_descriptor(template: "TensorDescriptor", base: torch.Tensor) -> "Tenso
 
 def tile_template(shape, strides, dtype: torch.dtype, block_rows: int) -> "TensorDescriptor":
     """4-D TMA descriptor over (B, H, S, D) with (1, 1, block_rows, D) boxes; rows past S read as zeros. Its
-    base is a zero-size stand-in (``bound_descriptor`` puts the call's tensor there). Strides of size-1 dims are never
-    used; they are replaced by an aligned value TMA accepts."""
+    base is a zero-size stand-in (``bound_descriptor`` puts the call's tensor there). Strides of size-1 dims are
+    never used; they are replaced by an aligned value TMA accepts."""
     shape, strides = list(shape), list(strides)
     for i in range(len(shape) - 2, -1, -1):
         if shape[i] == 1:
@@ -293,9 +295,10 @@ def _slot_values(job, cls: _LaunchClass, delta: torch.Tensor, lse2: torch.Tensor
         if x.numel() != rows or not x.is_contiguous():
             raise ValueError(f"launch_dkdv: the per-row scratch must be a contiguous (B·H, Sq) buffer of {rows}")
     tq, tk, tv, tdo = cls.tiles
-    return {"q_desc": bound_descriptor(tq, job.q), "k_desc": bound_descriptor(tk, job.k), "v_desc": bound_descriptor(tv, job.v),
-            "do_desc": bound_descriptor(tdo, job.do), "lse2_desc": bound_descriptor(cls.rows, lse2),
-            "delta_desc": bound_descriptor(cls.rows, delta), "lam_desc": bound_descriptor(cls.rows, lam), "DK": job.dk, "DV": job.dv}
+    return {"q_desc": bound_descriptor(tq, job.q), "k_desc": bound_descriptor(tk, job.k),
+            "v_desc": bound_descriptor(tv, job.v), "do_desc": bound_descriptor(tdo, job.do),
+            "lse2_desc": bound_descriptor(cls.rows, lse2), "delta_desc": bound_descriptor(cls.rows, delta),
+            "lam_desc": bound_descriptor(cls.rows, lam), "DK": job.dk, "DV": job.dv}
 
 
 def dkdv_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor, cfg: KernelConfig) -> dict:

@@ -4,7 +4,7 @@ The warp-specialized kernel of ``gluon_dq_kernels.py`` (a TMA producer warp and 
 KV-major one of ``gluon_bwd``) in place of the portable ``tl`` dQ-major kernel: the same contract (dq = α(Σ t·K −
 λ·Σ r·K), λ = (ρ − T)/m with ρ, m summed on the tensor cores) and the same per-row scratch for the KV-major
 launch. It covers what the Gluon KV-major launch covers (``gluon_bwd.kv_major_reason``) except the Sq multiple of
-4, which only that launch's TMA of the scratch needs: ``dq_major_reason`` is its predicate, ``plan.kernel_choice``
+4, which only that launch's TMA of the scratch needs: ``dq_major_reason`` is its predicate, ``plan.dq_major_choice``
 decides per call at its forward.
 
 Host cost per launch as in ``gluon_bwd``: everything but the tensors' addresses comes from the shape class
@@ -20,7 +20,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import gluon_bwd
-from .gluon_bwd import LOG2_E, UNAVAILABLE_REASON, bound_descriptor, gluon_reason, tile_template
+from .gluon_bwd import (LAUNCH_CLASS_CACHE_SIZE, LOG2_E, UNAVAILABLE_REASON, bound_descriptor, gluon_reason,
+                        tile_template)
 from .launch_cache import PREPARED
 
 if UNAVAILABLE_REASON is None:  # pragma: no cover - depends on the installed Triton
@@ -42,8 +43,6 @@ if UNAVAILABLE_REASON is None:
     ROWSUM_WIDTH = _gq.ROWSUM_WIDTH.value
     RHO_COL = _gq.RHO_COL.value
     MASS_COL = _gq.MASS_COL.value
-#: entries of the shape-class cache (``_launch_class``), as ``gluon_bwd.LAUNCH_CLASS_CACHE_SIZE``
-LAUNCH_CLASS_CACHE_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -116,13 +115,12 @@ def _launch_class(shapes, strides, sink_stride: Optional[int], mask: Tuple[bool,
     one_hot = TensorDescriptor(_one_hot(device, dtype, cfg.block_n), [2 * cfg.block_n, ROWSUM_WIDTH],
                                [ROWSUM_WIDTH, 1], [cfg.block_n, ROWSUM_WIDTH], layout)
     scalars = dict(so_b=o_strides[0], so_h=o_strides[1], so_s=o_strides[2], so_d=o_strides[3],
-                   sl_b=lse_strides[0], sl_h=lse_strides[1], sl_s=lse_strides[2], ssink=sink_stride,
+                   sl_b=lse_strides[0], sl_h=lse_strides[1], sl_s=lse_strides[2],
+                   ssink=0 if sink_stride is None else sink_stride,
                    sdq_b=dq_strides[0], sdq_h=dq_strides[1], sdq_s=dq_strides[2], sdq_d=dq_strides[3],
                    H=H, GROUP=H // HKV, SQ=SQ, SK=SK, shift=SK - SQ if (causal and bottom_right) else 0,
                    scale=alpha, scale_log2=alpha * LOG2_E, CAUSAL=causal, HAS_SINK=sink_stride is not None,
                    NUM_STAGES=cfg.num_stages, OVERLAP=cfg.overlap)
-    if sink_stride is None:
-        scalars["ssink"] = 0
     return _LaunchClass(grid=(triton.cdiv(SQ, ROWS_PER_CTA), H, B), tiles=tiles, one_hot=one_hot,
                         scalars=scalars)
 
@@ -177,7 +175,7 @@ def checked_kernels(q, k, v, do, mask, varlen, options) -> Tuple[str, str]:
     """The (dQ-major, KV-major) kernels of an explicit ``gproj_backward`` call from its ``KernelOptions``: "tl"
     unless "gluon" is asked for (None and "tl" are the portable kernels); "gluon" where that launch's predicate
     (``dq_major_reason``, ``gluon_bwd.kv_major_reason``) allows it, ValueError otherwise. No speed preference
-    here: choosing per call is the plan's (``plan.kernel_choice``)."""
+    here: choosing per call is the plan's (``plan.dq_major_choice``, ``plan.kv_major_choice``)."""
     asked = {"dq_major": options.dq_major, "kv_major": options.kv_major}
     for name, kernel in asked.items():
         if kernel not in ("tl", "gluon", None):

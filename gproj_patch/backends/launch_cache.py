@@ -43,7 +43,8 @@ class Prepared:
     template: tuple
     slots: Tuple[Tuple[int, str], ...]
     # each tensor slot's 16-byte alignment when the kernel was specialized; None for a descriptor slot (Triton
-    # does not specialize on a descriptor's base; its TMA alignment is the caller's check, gluon_bwd.bound_descriptor)
+    # does not specialize on a descriptor's base; its TMA alignment is the caller's check,
+    # gluon_bwd.bound_descriptor)
     aligned: Tuple[Optional[bool], ...]
 
     def replay(self, values: Dict[str, Any], stream: int) -> bool:

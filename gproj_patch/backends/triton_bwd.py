@@ -267,7 +267,8 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     ``DEFAULT_DK_FORM``). ``sink`` (Hq,): the learnable sink logits the forward's LSE includes; the result is then
     (dq, dk, dv, dsink), dsink shaped and typed like ``sink`` (module docstring).
     ``kv_major`` / ``dq_major`` pick the KV-major / dQ-major launch: "gluon" (the warp-specialized sm_90a kernels,
-    ``gluon_bwd`` / ``gluon_dq``) or "tl" (also for None); choosing per call is the plan's (``plan.kernel_choice``).
+    ``gluon_bwd`` / ``gluon_dq``) or "tl" (also for None); choosing per call is the plan's
+    (``plan.kv_major_choice``, ``plan.dq_major_choice``).
     Raises ValueError when ``kernel_unsupported_reason`` is not None, or "gluon" is asked for and not possible.
     """
     mask_kw, option_kw = split_keywords("gproj_backward", mask_and_options, MASK_KWARGS + MAX_SEQLEN_KWARGS,
@@ -295,7 +296,7 @@ def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                     **varlen_and_options):
     """``gproj_backward`` for inputs its caller already checked, options by keyword (tests and benchmarks; the
     router runs a call's plan through ``launch_planned``). Decides nothing: the kernels run where the tensors are
-    (compiled on CUDA, interpreted on CPU) with ``kv_major`` as given ("tl" when not given).
+    (compiled on CUDA, interpreted on CPU) with ``kv_major`` and ``dq_major`` as given ("tl" when not given).
     ``varlen_and_options``: the keywords of ``spec.Varlen`` and of ``KernelOptions``."""
     varlen_kw, option_kw = split_keywords("launch_backward", varlen_and_options, VARLEN_KWARGS, KERNEL_OPTIONS)
     options = KernelOptions(**{"kv_major": "tl", "dq_major": "tl", **option_kw})

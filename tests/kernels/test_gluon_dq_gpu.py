@@ -112,7 +112,8 @@ def test_nonfinite_rows_of_another_head_stay_there(head_dim, causal):
 @pytest.mark.parametrize("head_dim,expected", [(128, "gluon"), (64, "tl"), (96, "tl")])
 def test_patched_sdpa_counts_its_dq_major_kernel(head_dim, expected):
     """Through the public API: the plan picks the Gluon dQ-major launch where it was measured faster (D=128),
-    the tl one elsewhere (D=64: not faster in run 57; D=96: no Gluon build), per call; ``stats()`` counts which ran; the gradients match the fp64 oracle."""
+    the tl one elsewhere (D=64: not faster in run 57; D=96: no Gluon build), per call; ``stats()`` counts which
+    ran; the gradients match the fp64 oracle."""
     import gproj_patch
     g = torch.Generator(device="cuda").manual_seed(9)
     q, k, v, do = (torch.randn(2, 4, 510, head_dim, generator=g, device="cuda").to(torch.bfloat16)
