@@ -17,8 +17,9 @@ from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward
 from tests.helpers.launch_choice import qkv, sdpa_fp16_causal
 
-#: stack bytes a thread of the shipped D=128 build (Triton 3.6's ptxas): what run 56 timed
-SPILL_BYTES_D128 = 144
+#: stack bytes a thread of the shipped D=128 build (Triton 3.6's ptxas, the ``overlap`` build): what run 58 timed
+#: (the plain build: 128–144)
+SPILL_BYTES_D128 = 80
 needs_gluon = pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
 
 
@@ -166,9 +167,9 @@ def test_dq_arguments_name_every_kernel_parameter_and_refuse_what_it_cannot_run(
 @pytest.mark.parametrize("head_dim", sorted(gluon_dq.CONFIGS))
 def test_default_configs_compile_for_sm90a_with_async_wgmma(head_dim):
     """The shipped dQ-major configs compile for sm_90a on this GPU-less machine with Triton's own ptxas (causal
-    and full, with and without a sink), ptxas keeps every wgmma async, and the spills stay what run 56 timed: none
-    at D=64; at D=128 a stack frame of at most ``SPILL_BYTES_D128`` (Triton's ``n_spills`` 32–34 there: the 128
-    registers of Σ t·K and Σ r·K leave little room)."""
+    and full, with and without a sink), ptxas keeps every wgmma async, and the spills stay what runs 58–59 timed:
+    none at D=64; at D=128 a stack frame of at most ``SPILL_BYTES_D128`` (the 128 registers of Σ t·K and Σ r·K leave
+    little room)."""
     from tests.helpers.kernel_build import gluon_dq_compile_report
     for causal, sink in ((True, False), (False, True)):
         (row,) = gluon_dq_compile_report(head_dims=(head_dim,), causal=causal, sink=sink)
