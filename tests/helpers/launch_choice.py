@@ -1,6 +1,6 @@
-"""Small inputs the tests of the per-call launch choice share (``tests/kernels/test_kv_major.py``,
-``test_dq_major.py``): CPU tensors for the predicates and the plan, and an fp16 causal SDPA call that the
-kernel tier runs under Triton's interpreter."""
+"""Small inputs the tests of the per-call launch choice share (``tests/kernels/test_launch_choice.py``,
+``test_kv_major.py``, ``test_dq_major.py``): CPU tensors for the predicates and the plan, and an fp16 causal SDPA
+call that the kernel tier runs under Triton's interpreter."""
 import torch
 
 

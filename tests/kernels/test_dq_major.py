@@ -1,7 +1,7 @@
-"""The per-call choice of the dQ-major kernel (Gluon on sm_90, tl elsewhere) on CPU: the predicate's reasons
-(what differs from the KV-major one), the explicit ``dq_major=`` argument, the option, ``stats()`` counting which
-kernel ran, the launch's arguments and its sm_90a build. The Gluon kernel itself runs on the H200
-(``tests/kernels/test_gluon_gpu.py``, ``benchmarks/gluon_dq_check.py``)."""
+"""The dQ-major launch's own side of the per-call kernel choice on CPU: the predicate's reasons where they differ
+from the KV-major one's, the configs, the launch's arguments and its sm_90a build (what both launches share —
+options, explicit argument, ``stats()`` — is ``test_launch_choice.py``). The Gluon kernel itself runs on the H200
+(``tests/kernels/test_gluon_dq_gpu.py``, ``benchmarks/gluon_dq_check.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,30 +10,14 @@ import inspect
 import pytest
 import torch
 
-import gproj_patch
 from gproj_patch.backends import gluon_bwd, gluon_dq
 from gproj_patch.backends.gluon_dq import dq_major_reason
-from gproj_patch.backends.reference import reference_backward, reference_forward
-from gproj_patch.backends.triton_bwd import gproj_backward
-from tests.helpers.launch_choice import qkv, sdpa_fp16_causal
+from tests.helpers.launch_choice import qkv
 
 #: stack bytes a thread of the shipped D=128 build (Triton 3.6's ptxas, the ``overlap`` build): what run 58 timed
 #: (the plain build: 128–144)
 SPILL_BYTES_D128 = 80
 needs_gluon = pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
-
-
-
-@pytest.mark.parametrize("kwargs,fragment", [
-    (dict(window=(8, 0)), "window"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(varlen=True), "varlen"),
-    (dict(correct=False), "correct=False"),
-])
-def test_uncovered_options_get_a_reason(kwargs, fragment):
-    q, k, v, do = qkv()
-    reason = dq_major_reason(q, k, v, do=do, **kwargs)
-    assert reason is not None and fragment in reason
 
 
 def test_the_scratch_alignment_is_the_kv_major_launchs_only():
@@ -51,73 +35,9 @@ def test_the_scratch_alignment_is_the_kv_major_launchs_only():
         assert fragment in dq_major_reason(q, k, v, do=do)
 
 
-def _choice(q, k, v, option="auto"):
-    """The plan's dQ-major choice for a dense call (``plan.dq_major_choice``, made at the forward)."""
-    from gproj_patch.dispatch.plan import ForwardTensors, dq_major_choice
-    from gproj_patch.dispatch.record import Problem
-    return dq_major_choice(ForwardTensors(q, k, v, None, None), Problem(scale=q.shape[-1] ** -0.5), option)
-
-
-def test_dq_major_kernel_prefers_tl_where_gluon_is_not_faster(monkeypatch):
-    """Where the Gluon kernel could run but was not measured faster the plan picks tl and says why; inside
-    ``FASTER_HEAD_DIMS``, Gluon; ``dq_major="tl"`` always tl. The predicate is stubbed (no sm_90 here)."""
-    monkeypatch.setattr(gluon_dq, "dq_major_reason", lambda *a, **kw: None)
-    monkeypatch.setattr(gluon_dq, "FASTER_HEAD_DIMS", (128,))
-    assert _choice(*qkv(d=64)[:3]) == ("tl", "head_dim=64: the tl dQ-major kernel is faster there")
-    assert _choice(*qkv(d=128)[:3]) == ("gluon", None)
-    assert _choice(*qkv(d=128)[:3], option="tl")[0] == "tl"
-    monkeypatch.undo()
-    assert set(gluon_dq.FASTER_HEAD_DIMS) <= set(gluon_bwd.GLUON_HEAD_DIMS) and set(gluon_dq.CONFIGS) == set(
-        gluon_bwd.GLUON_HEAD_DIMS)
-
-
-@pytest.fixture
-def interpreter(monkeypatch):
-    monkeypatch.setenv("GPROJ_TIER", "triton")
-
-
-def test_explicit_dq_major_is_checked(interpreter):
-    q, k, v, do = qkv(dtype=torch.float16)
-    o, lse = reference_forward(q, k, v)
-    with pytest.raises(ValueError, match="dq_major='gluon'"):
-        gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), dq_major="gluon")
-    with pytest.raises(ValueError, match="dq_major must be one of"):
-        gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), dq_major="cudnn")
-
-
-
-def test_dq_major_option_tl_is_recorded_at_forward_and_counted(interpreter, monkeypatch):
-    """``dq_major="tl"`` (GPROJ_DQ_MAJOR) is part of the record made at the forward: a backward that runs after
-    the option changed still follows its forward; ``stats()`` counts each launch's kernel with its reason, and
-    the gradients match the fp64 oracle."""
-    q, k, v, do = sdpa_fp16_causal()
-    gproj_patch.enable(mode="gproj", dq_major="tl")
-    try:
-        gproj_patch.reset_stats()
-        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        y = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-    finally:
-        gproj_patch.disable()
-    monkeypatch.setenv("GPROJ_DQ_MAJOR", "auto")
-    with gproj_patch.enable(mode="gproj"):
-        y.backward(do)
-        s = gproj_patch.stats()
-    assert s["dq_major"] == {"tl": 1} and any("dq_major=tl" in r for r in s["dq_major_reasons"]), s
-    assert s["kv_major"] == {"tl": 1}, s
-    ref = reference_backward(q, k, v, do, causal=True)
-    err = max(float((x.grad.double() - r).norm() / r.norm()) for x, r in zip((qq, kk, vv), ref))
-    assert err < 5e-3
-    gproj_patch.reset_stats()
-    assert gproj_patch.stats()["dq_major"] == {}
-
-
-def test_dq_major_option_is_validated(monkeypatch):
-    with pytest.raises(ValueError, match="dq_major must be one of auto, tl"):
-        gproj_patch.enable(dq_major="gluon-always")
-    monkeypatch.setenv("GPROJ_DQ_MAJOR", "cudnn")
-    with pytest.raises(ValueError, match="GPROJ_DQ_MAJOR must be one of auto, tl"):
-        gproj_patch.enable()
-    assert not gproj_patch.is_enabled()
+def test_every_gluon_head_dim_has_a_dq_config():
+    assert set(gluon_dq.CONFIGS) == set(gluon_bwd.GLUON_HEAD_DIMS)
+    assert set(gluon_dq.FASTER_HEAD_DIMS) <= set(gluon_dq.CONFIGS)
 
 
 def _job(sq=96, sk=160, h=4, hkv=2, d=128, sink=False):

@@ -1,5 +1,6 @@
-"""The per-call choice of the KV-major kernel (Gluon on sm_90, tl elsewhere) on CPU: the predicate's reasons,
-the explicit ``kv_major=`` argument, and ``stats()`` counting which kernel ran. The Gluon kernel itself runs in
+"""The KV-major launch's own side of the per-call kernel choice on CPU: the predicate's reasons, ``stats()``
+counting which kernel ran, the launch's descriptors, arguments and sm_90a builds (what both launches share —
+options, explicit argument — is ``test_launch_choice.py``). The Gluon kernel itself runs in
 ``tests/kernels/test_gluon_gpu.py`` (H200)."""
 from __future__ import annotations
 
@@ -11,21 +12,14 @@ from gproj_patch.backends import gluon_bwd
 from gproj_patch.backends.gluon_bwd import kv_major_reason
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward
-from tests.helpers.launch_choice import qkv, sdpa_fp16_causal
+from tests.helpers.launch_choice import qkv
 
 
-
-@pytest.mark.parametrize("kwargs,fragment", [
-    (dict(window=(8, 0)), "window"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(varlen=True), "varlen"),
-    (dict(correct=False), "correct=False"),
-    (dict(dk_form="two_product"), "two_product"),
-])
-def test_uncovered_options_get_a_reason(kwargs, fragment):
+def test_the_two_product_dk_form_gets_a_reason():
+    """The KV-major launch's own option (``test_launch_choice.py`` has the options both launches share)."""
     q, k, v, do = qkv()
-    reason = kv_major_reason(q, k, v, do=do, **kwargs)
-    assert reason is not None and fragment in reason
+    reason = kv_major_reason(q, k, v, do=do, dk_form="two_product")
+    assert reason is not None and "two_product" in reason
 
 
 @pytest.mark.parametrize("shape,dtype,fragment", [
@@ -50,33 +44,18 @@ def _choice(q, k, v, option="auto"):
     return kv_major_choice(ForwardTensors(q, k, v, None, None), Problem(scale=q.shape[-1] ** -0.5), option)
 
 
-def test_kv_major_kernel_prefers_tl_where_gluon_is_not_faster(monkeypatch):
-    """Where the Gluon kernel could run but was not measured faster (a head dim outside ``FASTER_HEAD_DIMS``) the
-    plan picks tl and says why; inside it, Gluon; ``kv_major="tl"`` always tl. The predicate is stubbed (this
-    machine has no sm_90): the rule under test is the plan's speed preference."""
-    monkeypatch.setattr(gluon_bwd, "kv_major_reason", lambda *a, **kw: None)
-    monkeypatch.setattr(gluon_bwd, "FASTER_HEAD_DIMS", (128,))
-    assert _choice(*qkv(d=64)[:3]) == ("tl", "head_dim=64: the tl KV-major kernel is faster there")
-    assert _choice(*qkv(d=128)[:3]) == ("gluon", None)
-    assert _choice(*qkv(d=128)[:3], option="tl")[0] == "tl"
-    monkeypatch.undo()
-    assert set(gluon_bwd.FASTER_HEAD_DIMS) <= set(gluon_bwd.GLUON_HEAD_DIMS)
-    if gluon_bwd.UNAVAILABLE_REASON is None:  # the real predicate on this CPU: the device
+def test_kv_major_choice_on_this_cpu_names_the_device():
+    """The real predicate on this GPU-less machine: tl, because of the device (the speed preference itself is
+    ``test_launch_choice.py``'s)."""
+    if gluon_bwd.UNAVAILABLE_REASON is None:
         assert _choice(*qkv(d=64)[:3]) == ("tl", "device=cpu")
+    else:
+        assert _choice(*qkv(d=64)[:3]) == ("tl", gluon_bwd.UNAVAILABLE_REASON)
 
 
 @pytest.fixture
 def interpreter(monkeypatch):
     monkeypatch.setenv("GPROJ_TIER", "triton")
-
-
-def test_explicit_kv_major_is_checked(interpreter):
-    q, k, v, do = qkv(dtype=torch.float16)
-    o, lse = reference_forward(q, k, v)
-    with pytest.raises(ValueError, match="kv_major='gluon'"):
-        gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="gluon")
-    with pytest.raises(ValueError, match="kv_major must be one of"):
-        gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="cudnn")
 
 
 def test_stats_count_the_kv_major_kernel_of_each_kernel_call(interpreter):
@@ -333,34 +312,3 @@ def test_unavailable_gluon_sends_every_call_to_tl(monkeypatch, interpreter):
     o, lse = reference_forward(q, k, v)
     with pytest.raises(ValueError, match="triton 9.9.0"):
         gproj_backward(do, q, k, v, o.to(q.dtype), lse.float(), kv_major="gluon")
-
-
-
-def test_kv_major_option_tl_is_recorded_at_forward_and_counted(interpreter, monkeypatch):
-    """``kv_major="tl"`` (GPROJ_KV_MAJOR) keeps every call on the tl KV-major launch; the option is part of the
-    record made at forward time, so a backward that runs after the option changed still follows its forward."""
-    q, k, v, do = sdpa_fp16_causal()
-    gproj_patch.enable(mode="gproj", kv_major="tl")
-    try:
-        gproj_patch.reset_stats()
-        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        y = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-    finally:
-        gproj_patch.disable()
-    monkeypatch.setenv("GPROJ_KV_MAJOR", "auto")
-    with gproj_patch.enable(mode="gproj"):
-        y.backward(do)  # the forward's record says tl
-        s = gproj_patch.stats()
-    assert s["kv_major"] == {"tl": 1} and any("kv_major=tl" in r for r in s["kv_major_reasons"]), s
-    ref = reference_backward(q, k, v, do, causal=True)
-    err = max(float((x.grad.double() - r).norm() / r.norm()) for x, r in zip((qq, kk, vv), ref))
-    assert err < 5e-3
-
-
-def test_kv_major_option_is_validated(monkeypatch):
-    with pytest.raises(ValueError, match="kv_major must be one of auto, tl"):
-        gproj_patch.enable(kv_major="gluon-always")
-    monkeypatch.setenv("GPROJ_KV_MAJOR", "cudnn")
-    with pytest.raises(ValueError, match="GPROJ_KV_MAJOR must be one of auto, tl"):
-        gproj_patch.enable()
-    assert not gproj_patch.is_enabled()
