@@ -7,23 +7,18 @@ outputs poisoned before every launch; bitwise determinism; the predicate's reaso
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from tests.helpers.hopper import gluon_gpu_reason
+
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("the Gluon kernels are sm_90a (Hopper)", allow_module_level=True)
+if gluon_gpu_reason() is not None:
+    pytest.skip(gluon_gpu_reason(), allow_module_level=True)
 
 from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
 from gproj_patch.backends.gluon_entry import gluon_backward, gluon_supported_reason  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
-
-if gluon_bwd.UNAVAILABLE_REASON is not None:
-    pytest.skip(gluon_bwd.UNAVAILABLE_REASON, allow_module_level=True)
-
 from tests.helpers import adversarial as dc  # noqa: E402  (the suite benchmarks/gluon_check.py reports on)
 
 TARGET = dc.TARGET

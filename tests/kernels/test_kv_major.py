@@ -12,6 +12,7 @@ from gproj_patch.backends import gluon_bwd
 from gproj_patch.backends.gluon_bwd import kv_major_reason
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward
+from tests.helpers.hopper import gluon_gpu_reason
 from tests.helpers.launch_choice import qkv
 
 
@@ -237,11 +238,6 @@ def test_retired_tiles_keep_wgmma_async_at_d128_without_spills(causal):
     assert retired["smem"] <= gluon_bwd.SMEM_LIMIT_BYTES, retired
 
 
-def _on_h200():
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == gluon_bwd.GLUON_CAPABILITY
-            and gluon_bwd.UNAVAILABLE_REASON is None)
-
-
 def _retire_case(name, seed=19):
     """(q, k, v, do, o, lse, mask kwargs) on the GPU: an adversarial case, or "no_query_blocks_d128" (causal
     top-left GQA with Sk > Sq: key blocks no query sees, where the retired build streams one zero tile)."""
@@ -259,7 +255,7 @@ def _retire_case(name, seed=19):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_h200(), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.skipif(gluon_gpu_reason() is not None, reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize("name", ["d128", "causal_br", "odd_br_mqa_d128", "fp16_d128_dense", "gqa", "offset512",
                                   "no_query_blocks_d128"])
 def test_retired_tiles_are_bitwise_the_default_and_tl(name, monkeypatch):

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from gproj_patch.backends import launch_cache, triton_bwd, triton_launch  # noqa: E402
 from gproj_patch.backends.spec import MaskSpec  # noqa: E402
+from tests.helpers.hopper import gluon_gpu_reason  # noqa: E402
 
 
 def _tensors(B=1, H=2, HKV=2, SQ=24, SK=24, D=16, dtype=torch.float16, layout="bhsd", device="cpu", seed=0):
@@ -177,13 +178,6 @@ def _cuda_call(layout="bhsd", offset=0, seed=0, D=64, do_offset=0, **kw):
     return triton_bwd.launch_backward(do, q, k, v, o, lse, **{**CAUSAL, **kw})
 
 
-def _gluon_reason():
-    from gproj_patch.backends import gluon_bwd
-    if gluon_bwd.UNAVAILABLE_REASON is not None:
-        return gluon_bwd.UNAVAILABLE_REASON
-    return None if torch.cuda.get_device_capability() == gluon_bwd.GLUON_CAPABILITY else "not sm_90"
-
-
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("D", [64, 128])
@@ -191,8 +185,8 @@ def test_gluon_replay_is_bitwise_the_bound_launch(D):
     """The Gluon KV-major launch replays too (its TMA descriptors are the slots): bitwise the bound launch, the
     same for other values of the class, and a dO at an odd offset (read from an aligned copy) gives the same
     bits as the aligned one."""
-    if _gluon_reason() is not None:
-        pytest.skip(_gluon_reason())
+    if gluon_gpu_reason() is not None:
+        pytest.skip(gluon_gpu_reason())
     launch_cache.PREPARED.clear()
     bound = _cuda_call(D=D, kv_major="gluon")
     assert launch_cache.PREPARED.misses == 2 and launch_cache.PREPARED.hits == 0
