@@ -86,17 +86,10 @@ def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2,
     variants to build (``KernelConfig``'s flags; rings ``release_pairs`` cannot take are skipped); ``causal``:
     the mask of the call compiled for (causal or full)."""
     from gproj_patch.backends import gluon_kernels
-    from gproj_patch.backends.triton_launch import Launch
     fn = gluon_kernels._dkdv_kernel
     rows = []
     for D in head_dims:
-        # CPU tensors shaped like a causal 2·4·1024·D call; the arguments are built as the launch builds them
-        x = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16)
-        f = torch.empty(2 * 4, 1024, dtype=torch.float32)
-        job = Launch(do=x, q=x, k=x, v=x, o=x, lse=f, dq=x, dk=x, dv=x, sink=None, cu_q=x, cu_k=x, varlen=False,
-                     n_problems=2, max_q=1024, max_k=1024, window=(-1, 0 if causal else -1), bottom_right=False,
-                     alpha=D ** -0.5,
-                     softcap=0.0, correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
+        job, f = _cpu_job(D, causal)
         for bm, st, pairs, rt in ((bm, st, p, r) for bm in block_ms for st in stages for p in release_pairs
                                   for r in retire_tiles):
             if pairs and (st % 2 or st < 4):
@@ -106,6 +99,20 @@ def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2,
             args = gluon_bwd.dkdv_arguments(job, f, f, f, KernelConfig(bm, st, pairs, retire_tiles=rt))
             rows.append(dict(tag, **_sm90a_build(fn, args)))
     return rows
+
+
+def _cpu_job(D: int, causal: bool, sink: bool = False):
+    """(``triton_launch.Launch``, an fp32 (B·H, Sq) row buffer) of CPU tensors shaped like a 2·4·1024·D BF16 call
+    (causal or full, with a sink of 4 heads or none): the compile reports build their arguments from it as the
+    launches do."""
+    from gproj_patch.backends.triton_launch import Launch
+    x = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16)
+    f = torch.empty(2 * 4, 1024, dtype=torch.float32)
+    job = Launch(do=x, q=x, k=x, v=x, o=x, lse=torch.empty(2, 4, 1024), dq=x, dk=x, dv=x,
+                 sink=torch.zeros(4) if sink else None, cu_q=x, cu_k=x, varlen=False, n_problems=2, max_q=1024,
+                 max_k=1024, window=(-1, 0 if causal else -1), bottom_right=False, alpha=D ** -0.5, softcap=0.0,
+                 correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
+    return job, f
 
 
 def _sm90a_build(fn, args: dict) -> dict:
@@ -136,15 +143,10 @@ def gluon_dq_compile_report(head_dims=(64, 128), configs=None, causal=True, sink
     the CPU: only their descriptor's type enters the build)."""
     from unittest import mock
     from gproj_patch.backends import gluon_dq, gluon_dq_kernels
-    from gproj_patch.backends.triton_launch import Launch, Scratch
+    from gproj_patch.backends.triton_launch import Scratch
     rows = []
     for D in head_dims:
-        x = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16)
-        f = torch.empty(2 * 4, 1024, dtype=torch.float32)
-        job = Launch(do=x, q=x, k=x, v=x, o=x, lse=torch.empty(2, 4, 1024), dq=x, dk=x, dv=x,
-                     sink=torch.zeros(4) if sink else None, cu_q=x, cu_k=x, varlen=False, n_problems=2, max_q=1024,
-                     max_k=1024, window=(-1, 0 if causal else -1), bottom_right=False, alpha=D ** -0.5, softcap=0.0,
-                     correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
+        job, f = _cpu_job(D, causal, sink)
         scratch = Scratch(delta=f, lse2=f, lam=f, target=f)
         for cfg in configs or (gluon_dq.CONFIGS[D],):
             one_hot = lambda device, dtype, n: torch.zeros(2 * n, gluon_dq.ROWSUM_WIDTH, dtype=dtype)  # noqa
