@@ -199,14 +199,20 @@ def _bench(fn):
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def alone(f, part):
+    """``f``'s median time with only its ``part`` launch ("dq" or "dkdv") run (the other one's outputs then
+    stale: a timing only)."""
+    triton_bwd._RUN = (part,)
+    try:
+        return _bench(f)
+    finally:
+        triton_bwd._RUN = ("dq", "dkdv")
+
+
 def _parts(res, tag, f, parts=("dq", "dkdv")):
-    """Each launch alone (the other one's outputs then stale: a timing only)."""
+    """Each launch alone, into ``res[f"{tag}_{part}"]``."""
     for part in parts:
-        triton_bwd._RUN = (part,)
-        try:
-            res[f"{tag}_{part}"] = _bench(f)
-        finally:
-            triton_bwd._RUN = ("dq", "dkdv")
+        res[f"{tag}_{part}"] = alone(f, part)
 
 
 def standard_flops(B, H, S, D, causal):

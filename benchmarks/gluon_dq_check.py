@@ -29,7 +29,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gluon_check import _bench, _same  # noqa: E402  (benchmarks/gluon_check.py: do_bench median, bitwise equal)
+from gluon_check import _bench, _same, alone  # noqa: E402  (benchmarks/gluon_check.py: median, bitwise, one launch)
 from gproj_patch.backends import triton_bwd  # noqa: E402
 from gproj_patch.backends.gluon_dq import CONFIGS, DqConfig  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
@@ -55,7 +55,6 @@ def log(*a):
     line = " ".join(str(x) for x in a)
     print(line, flush=True)
     LOG.append(line)
-
 
 
 def _inputs(name, seed):
@@ -175,15 +174,6 @@ def suite_bad(rows):
     return bad
 
 
-
-def _alone(fn, part):
-    triton_bwd._RUN = (part,)
-    try:
-        return _bench(fn)
-    finally:
-        triton_bwd._RUN = ("dq", "dkdv")
-
-
 def time_shape(B, H, HKV, S, D, causal, budget):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -201,7 +191,7 @@ def time_shape(B, H, HKV, S, D, causal, budget):
         f = fn(tag)
         f()
         res[tag] = _bench(f)
-        res[f"{tag}_dq"] = _alone(f, "dq")
+        res[f"{tag}_dq"] = alone(f, "dq")
         res[f"{tag}_kernels"] = dict(triton_bwd.LAST_KERNELS)
     for cfg in VARIANTS[D]:
         name = f"n{cfg.block_n}s{cfg.num_stages}{'o' if cfg.overlap else ''}"
@@ -210,7 +200,7 @@ def time_shape(B, H, HKV, S, D, causal, budget):
             continue
         try:
             fn("gluon", cfg)()
-            res[f"var_{name}"] = _alone(fn("gluon", cfg), "dq")
+            res[f"var_{name}"] = alone(fn("gluon", cfg), "dq")
         except Exception as e:
             res[f"var_{name}"] = f"failed: {e!r}"[:300]
     qq, kk, vv = (x.detach().requires_grad_() for x in (q, krep, vrep))
