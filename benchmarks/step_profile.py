@@ -1,9 +1,9 @@
 """Where a training step's `gproj` overhead goes (issue 21, "Done when": the profile behind a missed step target).
 
 One device call. The 0.5B Llama-style step of ``host_overhead.py`` (8 layers, D=128, 16 query / 8 KV heads, AdamW,
-BF16) at one context, arms ``unpatched`` and ``gproj`` alternated:
+BF16) at one context, arms ``unpatched`` and ``gproj``:
 
-1. wall ms a step (``perf_counter`` around forward, backward and the optimizer step, synchronized; no profiler);
+1. wall ms a step (``host_overhead.step_times``: its arms alternated, medians, synchronized, no profiler);
 2. a ``torch.profiler`` trace of CUDA activity only (no CPU events, so the host path is not slowed) over a few
    steps: every kernel's device time, summed per step and split into attention kernels (the fused SDPA
    forwards/backwards and GProj's launches, matched by name) and the rest. Kernels of one stream do not overlap,
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -47,18 +46,6 @@ def one_step(model, opt, ids):
     ho._loss(model, ids).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def wall_ms(model, opt, ids, steps: int) -> list:
-    out = []
-    for i in range(steps + 1):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        one_step(model, opt, ids)
-        torch.cuda.synchronize()
-        if i:  # the first step of a block warms up
-            out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 def kernel_split(model, opt, ids, steps: int) -> dict:
@@ -93,14 +80,11 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     seq, batch = (int(x) for x in args.context.split("x"))
+    # wall ms a step, no profiler: host_overhead's own step timing (arms alternated, its model freed after)
+    walls = ho.step_times(argparse.Namespace(reps=args.reps, steps=args.steps, compile=False), seq, batch)["ms"]
     model, cfg = ho.build_model(seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
-    walls = {a: [] for a in ARMS}
-    for _ in range(args.reps):
-        for arm in ARMS:
-            ho._arm(arm)
-            walls[arm] += wall_ms(model, opt, ids, args.steps)
     split = {}
     for arm in ARMS:
         ho._arm(arm)
@@ -109,11 +93,11 @@ def main():
     gproj_patch.disable()
     rows = {}
     for arm in ARMS:
-        wall = statistics.median(walls[arm])
+        wall = walls[arm]
         k = split[arm]
         rows[arm] = {"wall_ms": wall, "kernels_ms": k["kernels_ms"], "attention_ms": k["attention_ms"],
                      "other_ms": k["kernels_ms"] - k["attention_ms"], "idle_ms": wall - k["kernels_ms"],
-                     "walls": walls[arm], "attention_kernels_ms": k["attention_kernels_ms"], "tiers": k["tiers"]}
+                     "attention_kernels_ms": k["attention_kernels_ms"], "tiers": k["tiers"]}
     info = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "context": args.context, "steps": args.steps, "reps": args.reps,
             "rows": rows}
