@@ -35,13 +35,17 @@ COLUMNS = {  # ncu raw metric -> short name
 
 
 def run_once():
-    """Compile and warm up outside the profiled range, then inside it one GProj backward with each KV-major kernel
-    (tl, and Gluon where ``gluon_bwd.kv_major_reason`` allows it: the routed one at D=128 on sm_90) and one cuDNN
-    backward. The dQ-major launch is the same kernel in both GProj backwards."""
+    """Compile and warm up outside the profiled range, then inside it one GProj backward per launch pairing and one
+    cuDNN backward: the KV-major launch tl and Gluon (where ``gluon_bwd.kv_major_reason`` allows it) with the tl dQ
+    launch; then the Gluon dQ-major launch in its plain and ``overlap`` builds (where ``gluon_dq.dq_major_reason``
+    allows it) with the routed KV launch. Kernel names tell the launches apart; the two Gluon dQ builds are the same
+    kernel name with different ``OVERLAP``, profiled in that order (plain, then overlap)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from gproj_patch.backends.triton_bwd import gproj_backward
+    from gproj_patch.backends.gluon_bwd import kv_major_reason
+    from gproj_patch.backends.gluon_dq import CONFIGS, DqConfig, dq_major_reason
     from device_check import make_inputs, saved_forward  # benchmarks/device_check.py
     B, H, S, D, causal = SHAPE
     q, k, v, do = make_inputs(B, H, S, D)
@@ -50,17 +54,25 @@ def run_once():
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
 
-    from gproj_patch.backends.gluon_bwd import kv_major_reason
-    kernels = ("tl",) if kv_major_reason(q, k, v, do=do) else ("tl", "gluon")  # full or causal, no window/varlen
+    kv_kernels = ("tl",) if kv_major_reason(q, k, v, do=do) else ("tl", "gluon")  # full or causal, no window/varlen
+    kv_routed = kv_kernels[-1]
+    dq_builds = []
+    if dq_major_reason(q, k, v, do=do) is None:
+        cfg = CONFIGS[D]
+        dq_builds = [DqConfig(cfg.block_n, cfg.num_stages, overlap=False),
+                     DqConfig(cfg.block_n, cfg.num_stages, overlap=True)]
 
-    def both():
-        for kernel in kernels:
-            gproj_backward(do, q, k, v, o, lse, causal=causal, kv_major=kernel)
+    def all_launches():
+        for kernel in kv_kernels:
+            gproj_backward(do, q, k, v, o, lse, causal=causal, kv_major=kernel, dq_major="tl")
+        for cfg in dq_builds:
+            gproj_backward(do, q, k, v, o, lse, causal=causal, kv_major=kv_routed, dq_major="gluon",
+                           _gluon_dq_config=cfg)
         torch.autograd.grad(y, (qq, kk, vv), do, retain_graph=True)
-    both()
+    all_launches()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    both()
+    all_launches()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 
