@@ -7,6 +7,8 @@ host: its µs per call is host time. Rows (each the median of ``--reps`` blocks 
     auto fwd+bwd                  the patch passing the call through (benign keys, unsampled calls)
     gproj fwd                     the patched forward alone (graph built, no backward)
     gproj fwd+bwd [bind|prepared] the whole call with Triton's argument binding / with prepared launches
+    fwd + grad_fn(do)             the call with its backward node run on the main thread (no autograd engine)
+    engine on the calling thread  fwd+bwd with ``torch.autograd.set_multithreading_enabled(False)`` (no device thread)
     launch_backward [bind|prep.]  the backend's host path alone on saved tensors (allocations, job, two launches)
     two launches [bind|prepared]  the two kernel launches alone (arguments built once)
     6 allocations                 torch.empty of the outputs and scratch
@@ -135,9 +137,20 @@ def main():
     def forward():
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    def main_thread_backward():
+        """The call with its backward node run on this thread (no engine, no device thread, no gradient
+        accumulation): a C++ node is called, a Python Function's node runs its ``apply`` (the Python backward).
+        Against ``call``: what the autograd engine and its device thread add."""
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # alive: the node saves it
+        node = y.grad_fn
+        (node.apply if hasattr(node, "apply") else node)(do)
+
     rows, gc_per_1000 = {}, {}
     gproj_patch.disable()
     rows["unpatched fwd+bwd"] = per_call_us(call, args.n, args.reps)
+    rows["unpatched fwd + grad_fn(do) on the main thread"] = per_call_us(main_thread_backward, args.n, args.reps)
+    with torch.autograd.set_multithreading_enabled(False):
+        rows["unpatched fwd+bwd, engine on the calling thread"] = per_call_us(call, args.n, args.reps)
     gproj_patch.enable(mode="auto", sample_every=10 ** 6)
     rows["auto fwd+bwd"] = per_call_us(call, args.n, args.reps)
     gproj_patch.disable()
@@ -146,6 +159,9 @@ def main():
     with Binding():
         rows["gproj fwd+bwd bind"] = per_call_us(call, args.n, args.reps)
     rows["gproj fwd+bwd prepared"] = per_call_us(call, args.n, args.reps)
+    rows["gproj fwd + grad_fn(do) on the main thread"] = per_call_us(main_thread_backward, args.n, args.reps)
+    with torch.autograd.set_multithreading_enabled(False):
+        rows["gproj fwd+bwd, engine on the calling thread"] = per_call_us(call, args.n, args.reps)
     gc_per_1000["gproj"] = collections_per_1000(call)
     with Frozen():
         rows["gproj fwd+bwd prepared, gc frozen"] = per_call_us(call, args.n, args.reps)
