@@ -57,18 +57,30 @@ def kernel_split(model, opt, ids, steps: int) -> dict:
             one_step(model, opt, ids)
         torch.cuda.synchronize()
     total = attention = 0.0
-    by_name = {}
+    by_name, others = {}, {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = ev.time_range.elapsed_us()  # a kernel's (or a copy's) device time
         total += us
+        name = ev.name[:90]
         if is_attention(ev.name):
             attention += us
-            by_name[ev.name[:90]] = by_name.get(ev.name[:90], 0.0) + us
+            by_name[name] = by_name.get(name, 0.0) + us
+        else:
+            others[name] = others.get(name, 0.0) + us
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     return {"kernels_ms": total / steps / 1e3, "attention_ms": attention / steps / 1e3,
-            "attention_kernels_ms": {k: v / steps / 1e3 for k, v in top}}
+            "attention_kernels_ms": {k: v / steps / 1e3 for k, v in top},
+            "other_kernels_ms": {k: v / steps / 1e3 for k, v in others.items()}}
+
+
+def other_kernel_changes(unpatched: dict, gproj: dict, top: int = 8) -> list:
+    """(name, unpatched ms, gproj ms) of the non-attention kernels whose time a step differs most between the
+    arms (a kernel only one arm runs counts 0 in the other): what ``other kernels`` adds up."""
+    names = set(unpatched) | set(gproj)
+    rows = [(n, unpatched.get(n, 0.0), gproj.get(n, 0.0)) for n in names]
+    return sorted(rows, key=lambda r: -abs(r[2] - r[1]))[:top]
 
 
 def main():
@@ -100,7 +112,8 @@ def main():
                      "attention_kernels_ms": k["attention_kernels_ms"], "tiers": k["tiers"]}
     info = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "context": args.context, "steps": args.steps, "reps": args.reps,
-            "rows": rows}
+            "rows": rows, "other_kernel_changes": other_kernel_changes(split["unpatched"]["other_kernels_ms"],
+                                                                       split["gproj"]["other_kernels_ms"])}
     with open(os.path.join(args.out, "step_profile.json"), "w") as f:
         json.dump(info, f, indent=1)
     for arm in ARMS:
@@ -115,6 +128,9 @@ def main():
     d = {key: g[key] - u[key] for key in ("wall_ms", "attention_ms", "other_ms", "idle_ms")}
     print(f"| gproj − unpatched | {d['wall_ms']:+.2f} ({d['wall_ms'] / u['wall_ms']:+.1%}) | | "
           f"{d['attention_ms']:+.2f} | {d['other_ms']:+.2f} | {d['idle_ms']:+.2f} |")
+    print("\nother kernels that differ most (ms a step): unpatched / gproj")
+    for name, a, b in other_kernel_changes(split["unpatched"]["other_kernels_ms"], split["gproj"]["other_kernels_ms"]):
+        print(f"  {a:7.3f} / {b:7.3f}  {name}")
 
 
 if __name__ == "__main__":
