@@ -127,11 +127,17 @@ def _capability(index: Optional[int]) -> Tuple[int, int]:
 
 def _tma_reason(name: str, x: torch.Tensor) -> Optional[str]:
     """None when a TMA descriptor can address ``x``; else why not."""
+    if x.data_ptr() % TMA_ALIGN_BYTES != 0:
+        return f"{name}: base not {TMA_ALIGN_BYTES}-byte aligned (TMA)"
+    return tma_strides_reason(name, x)
+
+
+def tma_strides_reason(name: str, x: torch.Tensor) -> Optional[str]:
+    """None when ``x``'s strides suit a TMA descriptor (a unit last stride, the others positive multiples of 16
+    bytes; size-1 dims never read); else why not. The base address is ``bound_descriptor``'s care."""
     if x.stride(-1) != 1:
         return f"{name}: last dim not contiguous (TMA)"
     item = x.element_size()
-    if x.data_ptr() % TMA_ALIGN_BYTES != 0:
-        return f"{name}: base not {TMA_ALIGN_BYTES}-byte aligned (TMA)"
     for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
         if size > 1 and (stride <= 0 or (stride * item) % TMA_ALIGN_BYTES != 0):
             return f"{name}: stride {stride} not a positive multiple of {TMA_ALIGN_BYTES} bytes (TMA)"

@@ -63,13 +63,20 @@ def _run_kernel(t: BackwardTensors, problem: Problem, kernel: KernelPlan) -> Gra
     ``stats()["kv_major"]``), on CUDA or, for CPU tensors the plan allowed, through Triton's interpreter."""
     from ..backends.triton_bwd import launch_planned  # here: triton may be missing (then no plan has this tier)
     telemetry.record_kernels(kernel)
-    # TMA needs aligned strides (planned as q's)
-    do = t.do.contiguous() if "gluon" in (kernel.kv_major, kernel.dq_major) else t.do
+    do = _tma_do(t.do) if "gluon" in (kernel.kv_major, kernel.dq_major) else t.do
     mask = MaskSpec(causal=problem.causal, causal_align=problem.causal_align, window=tuple(problem.window),
                     softcap=float(problem.softcap))
     return launch_planned(do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale, mask=mask,
                           varlen=_varlen(problem), kernels=(kernel.dq_major, kernel.kv_major),
                           sink=problem.sink)
+
+
+def _tma_do(do: torch.Tensor) -> torch.Tensor:
+    """dO for a Gluon launch, which reads it through a TMA descriptor: as it is where its strides suit one (the
+    transposed view ``out.transpose(1, 2)`` hands back in attention layers: no copy), else a contiguous copy. dO
+    is the one input the forward's plan could not check (q, k, v were, ``gluon_bwd.gluon_reason``)."""
+    from ..backends.gluon_bwd import tma_strides_reason
+    return do if tma_strides_reason("do", do) is None else do.contiguous()
 
 
 def _varlen(problem: Problem) -> Varlen:
