@@ -261,14 +261,12 @@ def patch_op(qualname: str, device_type: str = "cuda") -> Callable[[], None]:
     previous = compat.custom_op_kernel(opdef, device_type)
     if previous is None:
         raise LookupError(f"{qualname} has no {device_type} kernel to replace")
-    signature = inspect.signature(compat.custom_op_signature_fn(opdef))
+    bind = fa_records.Binder(inspect.signature(compat.custom_op_signature_fn(opdef)))
     library = _library(qualname)
 
     def kernel(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
         fake = compat.custom_op_fake(opdef)
-        return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), library,
+        return corrected_fa_backward(bind(args, kwargs), lambda: previous(*args, **kwargs), library,
                                      fake=None if fake is None else (lambda: fake(*args, **kwargs)))
     return _register(opdef, device_type, kernel)
 
@@ -289,10 +287,10 @@ def _patch_attr(module, name: str, library: str, backward: bool) -> Callable[[],
     if backward:
         takes_sink = _takes_argument(getattr(module, FA4_FWD, None), FA4_SINK)
 
+        bind = fa_records.Binder(signature)
+
         def call(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return corrected_fa_backward(dict(bound.arguments), lambda: previous(*args, **kwargs), library,
+            return corrected_fa_backward(bind(args, kwargs), lambda: previous(*args, **kwargs), library,
                                          returns="grads", forward_takes_sink=takes_sink)
     else:
         call = fa_records.recording(previous, signature, lambda b: _call_source(library, b),
