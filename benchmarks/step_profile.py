@@ -110,10 +110,10 @@ def main():
         rows[arm] = {"wall_ms": wall, "kernels_ms": k["kernels_ms"], "attention_ms": k["attention_ms"],
                      "other_ms": k["kernels_ms"] - k["attention_ms"], "idle_ms": wall - k["kernels_ms"],
                      "attention_kernels_ms": k["attention_kernels_ms"], "tiers": k["tiers"]}
+    changes = other_kernel_changes(split["unpatched"]["other_kernels_ms"], split["gproj"]["other_kernels_ms"])
     info = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "context": args.context, "steps": args.steps, "reps": args.reps,
-            "rows": rows, "other_kernel_changes": other_kernel_changes(split["unpatched"]["other_kernels_ms"],
-                                                                       split["gproj"]["other_kernels_ms"])}
+            "rows": rows, "other_kernel_changes": changes}
     with open(os.path.join(args.out, "step_profile.json"), "w") as f:
         json.dump(info, f, indent=1)
     for arm in ARMS:
@@ -129,7 +129,7 @@ def main():
     print(f"| gproj − unpatched | {d['wall_ms']:+.2f} ({d['wall_ms'] / u['wall_ms']:+.1%}) | | "
           f"{d['attention_ms']:+.2f} | {d['other_ms']:+.2f} | {d['idle_ms']:+.2f} |")
     print("\nother kernels that differ most (ms a step): unpatched / gproj")
-    for name, a, b in other_kernel_changes(split["unpatched"]["other_kernels_ms"], split["gproj"]["other_kernels_ms"]):
+    for name, a, b in changes:
         print(f"  {a:7.3f} / {b:7.3f}  {name}")
 
 
