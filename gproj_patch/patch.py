@@ -192,14 +192,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opti
     """``torch.nn.functional.scaled_dot_product_attention`` with the corrected backward, whether or not
     ``enable()`` was called (options: the enabled ones, else the environment's GPROJ_* and the defaults).
     Same forward output as SDPA."""
-    import torch.nn.functional as F
-    from torch.overrides import has_torch_function
-
     from .ops.sdpa import sdpa
-    if has_torch_function((q, k, v) if attn_mask is None else (q, k, v, attn_mask)):
-        # a subclass or mode that handles SDPA (CausalBias, ...) gets the call as an SDPA call
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa, cfg=_config.active() or _default_config())
 

@@ -23,8 +23,9 @@ A ``BackwardPlan`` holds:
 Reasons are checked in order, each right before the fallback it causes. ``kernel_reason`` answers for a
 ``_kernel_key`` are memoized in the runtime state (``STATE.kernel_reasons``, cleared by ``reset()``).
 
-Under ``torch.compile`` the plan is made inside the forward custom op at run time (``ops/sdpa_compiled.py``,
-``ops/flex_compiled.py``): it never enters a traced graph, so it cannot become a Dynamo guard.
+The SDPA seam makes the plan in the backward op's kernel (it has no forward); under ``torch.compile`` that kernel
+runs when the compiled backward runs, and the compiled flex hook makes its plan inside its forward custom op at
+run time (``ops/flex_compiled.py``): a plan never enters a traced graph, so it cannot become a Dynamo guard.
 """
 from __future__ import annotations
 
@@ -199,9 +200,14 @@ def _tier(record: CallRecord, t: ForwardTensors, has_original: bool, mask_as_fla
     if policy_tier is not None:
         tier = policy_tier
         if tier == "original" and not has_original:
-            return "fp32", f"{ctx.source}: no original backward available"
+            # the caller has no trustworthy original (a hook without one; cuDNN's plan of unknown dO layout):
+            # the corrected tier instead, decided below like mode "gproj"
+            tier = "gproj"
         if tier != "gproj":
             return tier, None
+    if t.q.device.type == "cpu" and not ctx.cpu_kernel:
+        # the documented CPU backward: the kernel runs on CUDA (on CPU only in Triton's interpreter, when asked)
+        return "fp32", None
     reason = kernel_reason(t, problem, cpu_kernel=ctx.cpu_kernel, mask_as_flags=mask_as_flags)
     if reason is None:
         return "gproj", None

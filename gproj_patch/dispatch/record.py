@@ -1,4 +1,4 @@
-"""The record of one attention call, made at its forward; its backward reads nothing else.
+"""The record of one attention call, made once (at its forward, or by the SDPA seam in its backward op).
 
 ``CallRecord = (Problem, Context, BackwardPlan)``; the plan (``plan.py``) is made right after the record, still
 at the forward. ``Problem`` is the math of the call (scale, causal and its alignment,
@@ -8,8 +8,9 @@ built once, on the forward, from the arguments and the configuration active *the
 ``disable()`` called between a forward and its backward change nothing for that call, and the layer name is
 the one whose scope was open at the forward.
 
-Every hook makes one: the SDPA function (eager and compiled), the flash-attn forward ops (FA2/FA3) and FA4's
-forward, the HF ``"gproj"`` function and ``gproj_patch.attention``. ``Context`` holds no tensors, so it is
+Every hook makes one: at the forward, the flash-attn forward ops (FA2/FA3) and FA4's forward, HF eager and
+flex; at the backward, the SDPA seam (``integrations/sdpa.py``), whose backward op has every argument a record
+needs. ``Context`` holds no tensors, so it is
 hashable and can be interned (the compiled SDPA path passes its index through the graph).
 """
 from __future__ import annotations
@@ -78,12 +79,19 @@ class CallRecord:
     plan: Optional["BackwardPlan"] = None  # made at the forward by plan.make_plan; the backward executes it
 
 
-def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config.Config] = None) -> Context:
-    """The context of a call whose forward runs now: the active configuration (else ``cfg``, else the
-    environment's), and the layer name of the open ``layer_scope``, else ``layer``, else ``call{n}``."""
+def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config.Config] = None, *,
+                 at_backward: bool = False) -> Context:
+    """The context of a call: the active configuration (else ``cfg``, else the environment's), and its layer.
+
+    At a forward (every hook but the SDPA seam): the open ``layer_scope``'s name, else ``layer``, else the step's
+    next ``call{n}``. At the backward (``at_backward``: the seam, which has no forward): ``layer`` as given — the
+    scope a forward was in is not open any more, and one open around ``loss.backward()`` names no call."""
     cfg = _config.active() or cfg or _config.resolve()
-    STATE.forward_started(graph_task_id())  # a checkpoint's recomputation runs inside a backward
-    name = current_layer() or layer or layer_id()
+    if at_backward:
+        name = layer
+    else:
+        STATE.forward_started(graph_task_id())  # a checkpoint's recomputation runs inside a backward
+        name = current_layer() or layer or layer_id()
     return Context(mode=cfg.mode, tier_option=cfg.tier, layer=name, source=source,
                    policy=effective_config(cfg.policy), kv_major=cfg.kv_major, dq_major=cfg.dq_major,
                    cpu_kernel=cfg.cpu_kernel)

@@ -1,286 +1,542 @@
-"""Hook: replace ``torch.nn.functional.scaled_dot_product_attention`` by a Python wrapper.
+"""Hook: SDPA's corrected backward as the autograd-level kernel of its fused backward ops (the dispatcher seam).
 
-Why this level. ``F.scaled_dot_product_attention`` is a C builtin looked up as a module attribute by callers that
-write ``F.scaled_dot_product_attention(...)`` at call time (HF's "sdpa" attention, ``nn.MultiheadAttention``
-through ``F.multi_head_attention_forward``). A Python wrapper can run the original forward itself (so PyTorch
-picks the same fused kernel and the output is the same, bit for bit) and still reach the original backward when
-the policy wants it. Dispatcher-level overrides of the ``aten::_scaled_dot_product_*_backward`` CUDA kernels
-would reach every caller but make the original backward unreachable while registered (calling it re-enters the
-override) and would not cover the CPU path.
+Why this level. Whoever calls SDPA's fused kernels — ``F.scaled_dot_product_attention`` however it was bound (a
+module global, a default argument, ``torch._C._nn``), ``nn.MultiheadAttention``, a compiled graph (AOTAutograd's
+backward graph calls the aten backward op when it runs), ``torch.nn.attention.varlen.varlen_attn`` (its backward
+custom op), a DTensor's local calls — reaches the backward through one of a few ops (``SEAM_OPS``). ``install()``
+registers a Python kernel for each at the ``AutogradCUDA`` / ``AutogradCPU`` key (``torch.library``,
+``with_keyset=True``; above PyTorch's own autograd kernel, which is an alias-key registration, so nothing is
+overridden); ``uninstall()`` destroys the library and PyTorch's kernels are in force again. The forward is
+untouched: no Python of this package runs in an SDPA forward, so the output, the errors, the backend choice and
+the compile behaviour (one graph, no recompile) are PyTorch's own.
 
-Transparency. The wrapper dispatches ``__torch_function__`` first, exactly as the builtin does: tensor
-subclasses (``torch.nn.attention.bias.CausalBias``, user subclasses) and ``TorchFunctionMode``s see the call with
-``func is torch.nn.functional.scaled_dot_product_attention`` (the wrapper, while installed) and the arguments as
-given, and take over as they would without the patch. A mode that forwards the call re-enters the wrapper with
-the mode off and gets the corrected backward. Subclasses without ``__torch_function__`` (DTensor, FakeTensor)
-take the original path (``ops/sdpa.unsupported_reason``).
+One decision per call, here. The kernel receives everything a corrected backward needs — dO, q, k, v, the
+output, the LSE, the causal flag, the scale, the mask's bias, dropout — so it makes the call's record and plan
+(``dispatch/plan.py``: tier, kernel launches, the ``auto`` policy's sample on q, k and the LSE) and the router
+carries them out. A plan of ``"original"`` redispatches below autograd to PyTorch's kernel (no recursion: the
+redispatch continues past this key). What it cannot correct exactly it passes through untouched, reason counted
+(``pass_reason``): dropout > 0, a bias that needs a gradient, nested tensors, ...
 
-Names bound before ``enable()``. Code that bound the function at import time (``from torch.nn.functional import
-scaled_dot_product_attention``, ``sdpa = F.scaled_dot_product_attention``, ``torch._C._nn.scaled_dot_product_attention``
-under any name) holds the C builtin, which the wrapper on ``F`` does not reach. ``install()`` therefore scans
-the globals of every module in ``sys.modules`` for that very object (identity, never equality; nothing is
-imported, module ``__getattr__`` never runs), rebinds each hit to the wrapper, logs the list once, and
-``uninstall()`` puts back exactly those bindings that still hold the wrapper. Excluded (``EXCLUDED_PACKAGES``):
-``torch`` and its submodules — ``torch._C._nn`` and ``torch.nn.functional`` define the function (the latter is
-the attribute patched above), and torch's internals that hold or compare it (``torch.nn.attention.bias``'s
-``__torch_function__`` implementation, the tracing and export identity tables of dynamo, fx, onnx) must keep
-seeing the builtin —, and ``gproj_patch`` itself, whose ``ops/sdpa.C_SDPA`` *is* the original the wrapper calls
-(rebinding it would make the wrapper call itself). Modules imported while the hook is installed read ``F``'s
-attribute and bind the wrapper themselves; after ``uninstall()`` the wrapper they hold passes every call to the
-original untouched, so ``disable()`` turns them off too. Not reached: references held elsewhere than a module
-global (class attributes, closures, ``functools.partial``, containers); call ``gproj_patch.attention`` there, or
-look the function up at call time. To call the unpatched builtin while enabled, look it up at call time from
-``torch._C._nn`` (excluded from the scan).
+Tracing. AOTAutograd calls the kernel while it traces a compiled backward (FakeTensor / FunctionalTensor
+arguments, a dispatch mode on the stack): there it only redispatches, so the graph records the aten op, which
+reaches this kernel again with real tensors each time the compiled backward runs.
+
+Tensor subclasses. A DTensor (or any wrapper subclass) is redispatched past autograd without excluding autograd
+from the calls its ``__torch_dispatch__`` makes (``compat.redispatch_reentrant``): its local calls on plain
+tensors — tensor parallelism's local heads, context parallelism's ring per KV shard — reach this kernel
+themselves, each as the attention problem it is. A ring's per-shard call (merged LSE: its keys are a shard of
+the row) is corrected by the kernels only where the rows are whole; shard rows are left unprojected and counted
+(``stats()["partial_rows"]``).
+
+cuDNN's cached plan. PyTorch's cuDNN SDPA backward (torch 2.11, cuDNN 9.19) caches its execution plan per
+thread, keyed on q/k/v sizes and strides (and the bias's, dropout, causal) but not on dO's, while the plan is
+built with the first call's dO strides (a dO whose innermost stride is 1 is passed as it is): a later call of the
+same key with another dO layout reads dO wrongly, silently (upstream). Every cuDNN backward the seam passes on
+gets dO in the output's layout (``_output_layout``; the forward allocates the output from q's layout, so one
+layout per key), so every plan the seam builds has it. A key whose plan may predate the seam — a CUDA backward had
+run before ``install()`` — is never handed to cuDNN: its calls take the corrected tier, whatever the mode.
 """
 from __future__ import annotations
 
-import functools
 import logging
-import operator
-import sys
-import types
-import weakref
+import threading
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import handle_torch_function, has_torch_function
+from torch import Tensor
 
-from ..runtime import telemetry
+from .. import policy
 from ..backends import compat
+from ..backends.spec import LOW_PRECISION, default_scale
+from ..dispatch.autograd import SECOND_ORDER_ERROR
+from ..dispatch.plan import ForwardTensors, make_plan
+from ..dispatch.record import CallRecord, Problem, make_context
+from ..dispatch.router import BackwardTensors, run_backward
+from ..layers.scope import backward_layer
+from ..ops.masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
+from ..runtime import config as _config
+from ..runtime import telemetry
 from ..runtime.state import STATE
-from .restore import restore_by_identity
-from ..ops import sdpa as sdpa_op
 
 logger = logging.getLogger("gproj_patch")
 
-
-@dataclass(frozen=True)
-class BoundName:
-    """One module global that held the original function and now holds the wrapper."""
-    module_name: str
-    name: str
-    module: Callable[[], Optional[types.ModuleType]]  # weak reference: a module dropped from sys.modules is freed
-
-
-@dataclass
-class InstalledSdpa:
-    """What ``install()`` did, to be undone by ``uninstall()`` (hook bookkeeping, not runtime state: ``reset()``
-    leaves it alone). One instance, ``INSTALLED``, mutated in place and never re-bound."""
-    saved: Optional[Callable] = None  # the object F.scaled_dot_product_attention held before install()
-    bound: List[BoundName] = field(default_factory=list)  # the module globals install() rebound
-    last_report: Tuple[str, ...] = ()  # the rebound names last logged (logged again only when they change)
-
-
-INSTALLED = InstalledSdpa()
-
-
-_TENSOR_ARGS = ("query", "key", "value", "attn_mask")
-#: the builtin's signature: ``(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-#: enable_gqa=False)`` — six positional parameters, the last two keyword-only
-_POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-_KEYWORDS = frozenset(_POSITIONAL + ("scale", "enable_gqa"))
-_BOOL = (bool, torch.SymBool)
-_NUMBER = (float, int, bool, torch.SymFloat, torch.SymInt)
-
-
-MALFORMED_REASON = "sdpa: arguments in a form the hook does not take (passed to the builtin untouched)"
-
-
-def _well_formed(args: tuple, kwargs: dict) -> bool:
-    """True when the builtin's argument parser would accept this call (names, counts, tensors where it takes
-    tensors, Python types of the scalars). Any other call goes to the original untouched, which raises its own ``TypeError``, at the call,
-    with its own message (``scaled_dot_product_attention() got an unexpected keyword argument ...``)."""
-    if len(args) > len(_POSITIONAL) or len(args) + len(kwargs) < 3:
-        return False
-    for name in kwargs:
-        if name not in _KEYWORDS or name in _POSITIONAL[:len(args)]:
-            return False
-    if len(args) < 3 and any(n not in kwargs for n in _POSITIONAL[len(args):3]):
-        return False
-    bound = dict(zip(_POSITIONAL, args))
-    bound.update(kwargs)
-    return (isinstance(bound["query"], torch.Tensor) and isinstance(bound["key"], torch.Tensor)
-            and isinstance(bound["value"], torch.Tensor)
-            and (bound.get("attn_mask") is None or isinstance(bound["attn_mask"], torch.Tensor))
-            and isinstance(bound.get("dropout_p", 0.0), _NUMBER)
-            and isinstance(bound.get("is_causal", False), _BOOL)
-            and isinstance(bound.get("enable_gqa", False), _BOOL)
-            and (bound.get("scale") is None or isinstance(bound["scale"], _NUMBER)))
-
-
-@functools.wraps(sdpa_op.C_SDPA)
-def scaled_dot_product_attention(*args, **kwargs):
-    """``F.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-    scale=None, enable_gqa=False)`` with the corrected backward (arguments passed on exactly as given).
-    While the hook is not installed (a module bound this wrapper during ``enable()``, then ``disable()`` ran)
-    every call goes to the original function untouched."""
-    if INSTALLED.saved is None:
-        return sdpa_op.original_sdpa()(*args, **kwargs)
-    if not _well_formed(args, kwargs):
-        # a call the builtin's parser rejects (its own error, at the call) or takes in a form the hook does not
-        # (a tensor scale, ...): the builtin untouched; reported when it computed something that needs a gradient
-        out = sdpa_op.original_sdpa()(*args, **kwargs)
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            telemetry.record_forward("original", MALFORMED_REASON, telemetry.shape_class("sdpa"))
-        return out
-    # a tuple, built so: dynamo traces this wrapper, and a list here broke compiled CausalBias calls (PyTorch's
-    # TestAttnBiasCPU compile variants in tests/test_external_torch_sdpa.py)
-    relevant = tuple(a for a in args[:4] if a is not None) + \
-        tuple(kwargs[n] for n in _TENSOR_ARGS if kwargs.get(n) is not None)
-    if any(getattr(t, "is_nested", False) for t in relevant):
-        # nested tensors dispatch on the builtin itself (their table is keyed by it): hand the call over untouched
-        if torch.is_grad_enabled():
-            telemetry.record_forward("original", "sdpa: nested tensors", telemetry.shape_class("sdpa", *relevant[:2]))
-        return sdpa_op.original_sdpa()(*args, **kwargs)
-    if has_torch_function(relevant):
-        return _dispatch_override(relevant, args, kwargs)
-    if not torch.compiler.is_compiling():
-        # counted for _dispatch_override only; under tracing a thread-local write would become a Dynamo guard
-        # that fails on the next call (a recompile per call)
-        reentry = STATE.sdpa_reentry
-        reentry.count = getattr(reentry, "count", 0) + 1
-    return sdpa_op.sdpa(*args, **kwargs)
-
-
-
-# Pickled by reference, as every function is: ``functools.wraps`` gave the wrapper the builtin's module
-# (``torch._C._nn``), whose attribute is the builtin, so pickle refused it ("not the same object") — and with it
-# ``torch.save`` of a module holding ``F.scaled_dot_product_attention``, or a spawn worker's arguments. Named after
-# where the wrapper is installed instead, it pickles as ``torch.nn.functional.scaled_dot_product_attention``: the
-# patched function where the pickle is loaded with the patch on, the builtin where it is off.
-scaled_dot_product_attention.__module__ = "torch.nn.functional"
-
-def _dispatch_override(relevant, args, kwargs):
-    """Let the subclass or mode handle the call, as the builtin does. A subclass that computes attention without
-    calling SDPA back (CausalBias lower-right on an efficient kernel) is counted as passed through."""
-    reentry = STATE.sdpa_reentry
-    before = getattr(reentry, "count", 0)
-    out = handle_torch_function(scaled_dot_product_attention, relevant, *args, **kwargs)
-    subclasses = [type(t).__name__ for t in relevant if compat.overrides_torch_function(type(t))]
-    if subclasses and getattr(reentry, "count", 0) == before and torch.is_grad_enabled():
-        telemetry.record_forward("original", f"sdpa: __torch_function__ of {', '.join(dict.fromkeys(subclasses))} "
-                                 "computed attention without SDPA: passed through", telemetry.shape_class("sdpa"))
-    return out
-
-
-scaled_dot_product_attention.__gproj_patched__ = True
+SOURCE = "sdpa"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# names bound before install() (module docstring)
+# One backward op call, in the backends' shared layout
 
-#: packages whose module globals are never rebound: torch (defines the function; its internals must see the
-#: builtin) and this package (``ops/sdpa.C_SDPA`` is the original the wrapper calls)
-EXCLUDED_PACKAGES = frozenset(("torch", "gproj_patch"))
-
-
-def excluded_module(module_name: str) -> bool:
-    """True for a module of ``EXCLUDED_PACKAGES`` (its globals are never rebound)."""
-    return module_name.partition(".")[0] in EXCLUDED_PACKAGES
-
-
-def _namespace(module) -> Optional[dict]:
-    """A module's globals, read without running any ``__getattr__``/``__getattribute__`` of the object (None
-    for entries of ``sys.modules`` that are not modules)."""
-    if not issubclass(type(module), types.ModuleType):
-        return None
-    try:
-        namespace = object.__getattribute__(module, "__dict__")
-    except Exception:  # noqa: BLE001 - an exotic module without a namespace is skipped
-        return None
-    return namespace if type(namespace) is dict else None
-
-
-def _weak(module: types.ModuleType) -> Callable[[], Optional[types.ModuleType]]:
-    try:
-        return weakref.ref(module)
-    except TypeError:  # a module subclass without weak references: held strongly
-        return lambda: module
+@dataclass(frozen=True, eq=False)
+class SeamCall:
+    """One backward op call in the shared layout (``backends/spec.py``: (B, H, S, D) views, any strides;
+    varlen as B = 1 over the packed axis), with what it asks of the backward."""
+    do: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+    scale: float
+    causal: bool
+    align: str                       # causal alignment: "top_left" (SDPA's) or "bottom_right" (flash's)
+    window: Tuple[int, int]          # (left, right) around the diagonal, -1 unbounded
+    mask: Optional[Tensor]           # boolean (True: attend) or additive bias, broadcast to (B, H, Sq, Sk)
+    dropout_p: float
+    bias_grad: bool                  # the bias needs a gradient (the efficient op's fourth output)
+    layout: str = "bhsd"             # the op's own: "bhsd" (SDPA's), "bshd" (flash's, efficient's), "thd" (varlen)
+    cu_seqlens_q: Optional[Tensor] = None
+    cu_seqlens_k: Optional[Tensor] = None
+    max_q: Optional[int] = None
+    max_k: Optional[int] = None
 
 
-def find_bound_names(target) -> List[Tuple[types.ModuleType, str, str]]:
-    """(module, module name, attribute) of every global, outside ``EXCLUDED_PACKAGES``, that *is* ``target``.
-    One identity pass over each module's values (no equality, no import); modules without it are skipped."""
-    is_target = functools.partial(operator.is_, target)
-    hits = []
-    for module_name, module in list(sys.modules.items()):
-        if not isinstance(module_name, str) or excluded_module(module_name):
-            continue
-        namespace = _namespace(module)
-        if namespace is None or not any(map(is_target, list(namespace.values()))):
-            continue
-        hits.extend((module, module_name, name) for name, value in list(namespace.items()) if value is target)
-    return hits
+def _bshd(t: Tensor) -> Tensor:
+    return t.transpose(1, 2)
 
 
-def _rebind_bound_names(original) -> List[BoundName]:
-    bound = []
-    for module, module_name, name in find_bound_names(original):
-        namespace = _namespace(module)
-        if namespace.get(name) is original:  # still the original (another thread may have changed it)
-            namespace[name] = scaled_dot_product_attention
-            bound.append(BoundName(module_name=module_name, name=name, module=_weak(module)))
+def _thd(t: Tensor) -> Tensor:
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def _from_thd(t: Tensor) -> Tensor:
+    return t.transpose(1, 2).squeeze(0)
+
+
+#: each op layout's view as the shared (B, H, S, D) one, and back (views both ways: no copy)
+TO_SHARED = {"bhsd": lambda t: t, "bshd": _bshd, "thd": _thd}
+FROM_SHARED = {"bhsd": lambda t: t, "bshd": _bshd, "thd": _from_thd}
+
+
+def _window(left, right) -> Tuple[int, int]:
+    return (-1 if left is None else int(left), -1 if right is None else int(right))
+
+
+def _read_sdpa(b: Dict[str, Any], align: str, grad: str = "grad_out", bias: Optional[str] = None,
+               mask: Optional[str] = None) -> SeamCall:
+    """The SDPA-level ops: (B, H, S, D) already; ``bias`` / ``mask`` name the mask argument. ``bias_grad``: the
+    efficient op's ``grad_input_mask`` asks for the bias's gradient."""
+    q = b["query"]
+    m = b.get(bias) if bias else b.get(mask) if mask else None
+    gim = b.get("grad_input_mask")
+    return SeamCall(do=b[grad], q=q, k=b["key"], v=b["value"], out=b["out"], lse=b["logsumexp"],
+                    scale=default_scale(q.shape[-1], b.get("scale")), causal=bool(b["is_causal"]), align=align,
+                    window=(-1, -1), mask=m, dropout_p=float(b["dropout_p"]),
+                    bias_grad=bool(gim[3]) if gim is not None and m is not None else False)
+
+
+def _read_flash(b: Dict[str, Any], lse: str = "logsumexp", window: Optional[Tuple[int, int]] = None) -> SeamCall:
+    """flash's own layout: (B, S, H, D), or (total, H, D) with ``cum_seq_q/k`` (varlen); causal is bottom-right
+    (per sequence), the window ``(left, right)``."""
+    varlen = b.get("cum_seq_q") is not None
+    view = _thd if varlen else _bshd
+    q = b["query"]
+    if window is None:
+        window = _window(b.get("window_size_left"), b.get("window_size_right"))
+    return SeamCall(do=view(b["grad_out"]), q=view(q), k=view(b["key"]), v=view(b["value"]), out=view(b["out"]),
+                    lse=b[lse], scale=default_scale(q.shape[-1], b.get("scale")), causal=bool(b["is_causal"]),
+                    align="bottom_right", window=window, mask=None, dropout_p=float(b.get("dropout_p", 0.0)),
+                    bias_grad=False, layout="thd" if varlen else "bshd", cu_seqlens_q=b.get("cum_seq_q"),
+                    cu_seqlens_k=b.get("cum_seq_k"),
+                    max_q=int(b["max_q"]) if varlen else None, max_k=int(b["max_k"]) if varlen else None)
+
+
+def _read_varlen(b: Dict[str, Any]) -> SeamCall:
+    """``torch_attn::_varlen_attn_backward``: flash's varlen op under PyTorch's own names (lse, cu_seq_*)."""
+    w = b.get("window_size") or (-1, -1)
+    b = dict(b, cum_seq_q=b["cu_seq_q"], cum_seq_k=b["cu_seq_k"])
+    return _read_flash(b, lse="lse", window=_window(w[0], w[1]))
+
+
+def _read_efficient(b: Dict[str, Any]) -> SeamCall:
+    """``aten::_efficient_attention_backward``: (B, S, H, D); causal from ``custom_mask_type`` (0 none, 1 top-left,
+    2 bottom-right); no varlen, window or shared gradient storage here (``_efficient_reason``)."""
+    q = b["query"]
+    kind = int(b["custom_mask_type"])
+    return SeamCall(do=_bshd(b["grad_out_"]), q=_bshd(q), k=_bshd(b["key"]), v=_bshd(b["value"]),
+                    out=_bshd(b["out"]), lse=b["logsumexp"], scale=default_scale(q.shape[-1], b.get("scale")),
+                    causal=kind in (1, 2), align="bottom_right" if kind == 2 else "top_left", window=(-1, -1),
+                    mask=b.get("bias"), dropout_p=float(b["dropout_p"]), bias_grad=bool(b["bias_requires_grad"]),
+                    layout="bshd")
+
+
+def _efficient_reason(b: Dict[str, Any]) -> Optional[str]:
+    if b.get("cu_seqlens_q") is not None or b.get("window_size") is not None:
+        return "the efficient op with cu_seqlens or window_size"
+    if b.get("shared_storage_dqdkdv"):
+        return "the efficient op with shared gradient storage"
+    if int(b["custom_mask_type"]) not in (0, 1, 2):
+        return f"the efficient op with custom_mask_type={b['custom_mask_type']}"
+    return None
+
+
+def _nested_reason(b: Dict[str, Any]) -> Optional[str]:
+    """SDPA's flash and cuDNN ops carry sequence offsets only for nested tensors."""
+    if b.get("cum_seq_q") is not None or b.get("cum_seq_k") is not None:
+        return "nested tensors (sequence offsets)"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The ops
+
+def _like(t: Tensor) -> Tensor:
+    return torch.empty_like(t)
+
+
+def _bshd_like(t: Tensor) -> Tensor:
+    return torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device)
+
+
+@dataclass(frozen=True)
+class SeamOp:
+    """One backward op the seam takes: where, how its arguments read (``read`` → ``SeamCall``; ``reason`` says
+    why a call is not taken), and how its outputs are laid out — the strides of the op's meta kernel, which a
+    compiled graph relies on (``alloc``), in the op's own dimension order (``restore``), and its arity."""
+    qualname: str
+    keys: Tuple[str, ...]
+    read: Callable[[Dict[str, Any]], SeamCall]
+    reason: Callable[[Dict[str, Any]], Optional[str]] = lambda b: None
+    alloc: Callable[[Tensor], Tensor] = _like   # the meta kernel's gradient of an input, from that input
+    extra: Callable[[Dict[str, Any]], tuple] = lambda b: ()  # outputs after (dq, dk, dv)
+    cudnn: bool = False
+
+
+def _no_bias_grad(b: Dict[str, Any]) -> tuple:
+    return (None,)
+
+
+def _empty_bias_grad(b: Dict[str, Any]) -> tuple:
+    return (torch.empty((), device=b["query"].device),)
+
+
+_CUDA, _CPU = ("AutogradCUDA",), ("AutogradCPU",)
+
+#: every op the seam takes. ``_cudnn_attention_backward`` is not among them: in the releases checked its
+#: only caller is ``varlen_attn`` with cuDNN, which torch 2.11 never picks (``_should_use_cudnn`` is False), and
+#: its layout for dense calls is undocumented; a direct autograd call of ``_cudnn_attention_forward`` keeps
+#: PyTorch's backward.
+SEAM_OPS: Tuple[SeamOp, ...] = (
+    SeamOp(compat.SDPA_FLASH_BACKWARD, _CUDA,
+           read=lambda b: _read_sdpa(b, align="bottom_right"), reason=_nested_reason),
+    SeamOp(compat.SDPA_EFFICIENT_BACKWARD, _CUDA,
+           read=lambda b: _read_sdpa(b, align="top_left", grad="grad_out_", bias="attn_bias"),
+           alloc=_bshd_like, extra=_no_bias_grad),
+    SeamOp(compat.SDPA_CUDNN_BACKWARD, _CUDA,
+           read=lambda b: _read_sdpa(b, align="top_left", bias="attn_bias"), reason=_nested_reason, cudnn=True),
+    SeamOp(compat.SDPA_CPU_FLASH_BACKWARD, _CPU,
+           read=lambda b: _read_sdpa(b, align="top_left", mask="attn_mask"), alloc=_bshd_like),
+    SeamOp(compat.FLASH_BACKWARD, _CUDA, read=_read_flash),
+    SeamOp(compat.EFFICIENT_BACKWARD, _CUDA, read=_read_efficient, reason=_efficient_reason,
+           extra=_empty_bias_grad),
+    SeamOp(compat.VARLEN_BACKWARD, _CUDA, read=_read_varlen),
+)
+
+
+def bind(op, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """The call's arguments by schema name, defaults filled in."""
+    bound = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
+    bound.update(zip((a.name for a in op._schema.arguments), args))
+    bound.update(kwargs)
     return bound
 
 
-def _report(bound: List[BoundName]) -> None:
-    names = tuple(f"{b.module_name}.{b.name}" for b in bound)
-    if names and names != INSTALLED.last_report:
-        logger.warning("scaled_dot_product_attention was bound before enable() in %d module global(s), now "
-                       "patched (restored by disable()): %s", len(names), ", ".join(names))
-        INSTALLED.last_report = names
-
-
-def _restore_bound_names(original) -> None:
-    while INSTALLED.bound:
-        b = INSTALLED.bound.pop()
-        module = b.module()
-        namespace = None if module is None else _namespace(module)
-        if namespace is None:
-            continue
-        restore_by_identity(namespace, b.name, scaled_dot_product_attention, original, f"{b.module_name}.{b.name}",
-                            change="rebound")
-
-
-def bound_names() -> List[str]:
-    """``"module.attribute"`` of each global ``install()`` rebound to the wrapper (empty when not installed)."""
-    return [f"{b.module_name}.{b.name}" for b in INSTALLED.bound]
+def _restore(spec: SeamOp, b: Dict[str, Any], call: SeamCall, grads) -> tuple:
+    """(dq, dk, dv[, extra]) of the shared layout as the op returns them: its dimension order, its meta kernel's
+    strides (a compiled graph reads them so; copied only where they differ), its dtype, its arity."""
+    back = FROM_SHARED[call.layout]
+    out = []
+    for g, like in zip(grads[:3], (b["query"], b["key"], b["value"])):
+        g = back(g)
+        want = spec.alloc(like)
+        if g.stride() != want.stride() or g.dtype != like.dtype:
+            g = want.copy_(g)
+        out.append(g)
+    return tuple(out) + spec.extra(b)
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Why a call passes through
 
-def is_installed() -> bool:
-    return INSTALLED.saved is not None
+def pass_reason(call: SeamCall) -> Optional[str]:
+    """Why this backward keeps PyTorch's (None: it is corrected). Checked in this order, each right before the
+    pass-through it causes."""
+    q, k, v = call.q, call.k, call.v
+    if call.dropout_p > 0.0:
+        return "dropout > 0 (the fused kernel's dropout mask cannot be replayed by another backward)"
+    if call.bias_grad:
+        return "attn_mask requires grad"
+    if q.is_nested or k.is_nested or v.is_nested:
+        return "nested tensors"
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return "empty input"
+    if q.is_cuda and torch.are_deterministic_algorithms_enabled():
+        return ("torch.use_deterministic_algorithms is on: the original runs its own determinism check (PyTorch's "
+                "fused backwards warn or raise there)")
+    if call.mask is not None and call.causal:
+        return "attn_mask together with is_causal (the original decides what that means)"
+    if compat.functorch_transform_active():
+        return "a torch.func transform (grad, vmap, jvp, ...) is active"
+    return None
+
+
+def _mask_problem(call: SeamCall) -> Tuple[Optional[Tensor], bool, str, Tuple[int, int]]:
+    """(mask, causal, align, window): a boolean mask, or an additive bias that is one (only 0 and -inf: what
+    SDPA makes of a boolean mask), that is exactly a causal / window pattern becomes flags; any other bias
+    stays a tensor (the FP32 tier adds it to the scores)."""
+    if call.mask is None:
+        return None, call.causal, call.align, call.window
+    mask = call.mask
+    if mask.dtype != torch.bool and bool(((mask == 0) | (mask == float("-inf"))).all()):
+        mask = mask == 0
+    mask, causal, align, window = mask_as_flags(mask, call.q.shape[2], call.k.shape[2])
+    return mask, causal, align, window
+
+
+def _problem(call: SeamCall) -> Problem:
+    mask, causal, align, window = _mask_problem(call)
+    return Problem(scale=call.scale, causal=causal, causal_align=align, window=window, attn_mask=mask,
+                   padded=mask is not None and mask.dtype == torch.bool, cu_seqlens_q=call.cu_seqlens_q,
+                   cu_seqlens_k=call.cu_seqlens_k, max_seqlen_q=call.max_q, max_seqlen_k=call.max_k)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The corrected backward
+
+def corrected(spec: SeamOp, b: Dict[str, Any], original: Callable[[], tuple], cfg: _config.Config,
+              node=None, has_original: bool = True, source: str = SOURCE) -> tuple:
+    """The op's outputs for the call ``b`` (arguments by schema name): planned and run here, once. ``original()``
+    computes PyTorch's backward (the op's outputs as they are); ``has_original=False``: the plan must not choose
+    it (the corrected tier instead); ``node`` is the autograd node being run (its forward's layer name), None for
+    a direct call."""
+    reason = spec.reason(b)
+    call = None
+    if reason is None:
+        call = spec.read(b)
+        if call.q.dtype not in LOW_PRECISION:  # FP32/FP64 inputs: nothing to repair, nothing to report
+            return original()
+        reason = pass_reason(call)
+    if reason is not None:
+        q = call.q if call is not None else b["query"]
+        telemetry.record_pass_through(f"{source}: {reason}", telemetry.shape_class(source, q, None))
+        return original()
+    STATE.backward_pass(compat.graph_task_id())
+    layer = backward_layer(node) or STATE.next_backward_call_name()
+    context = make_context(source, layer, cfg, at_backward=True)
+    record = make_plan(CallRecord(_problem(call), context),
+                       ForwardTensors(call.q, call.k, call.v, call.out, call.lse), has_original=has_original)
+    to_shared = TO_SHARED[call.layout]
+    grads = _run(record, call, lambda: tuple(to_shared(g) for g in original()[:3]))
+    return _restore(spec, b, call, grads)
+
+
+def _run(record: CallRecord, call: SeamCall, original: Callable[[], tuple]) -> tuple:
+    """The plan carried out; a boolean mask that dO makes right/left padding runs as flags / varlen (exact)."""
+    problem = record.problem
+    do, q, k, v, out, lse = call.do, call.q, call.k, call.v, call.out, call.lse
+    if problem.padded:
+        flags = padding_as_flags(problem.attn_mask, do, q.shape[2], k.shape[2])
+        if flags is not None:
+            window, dead = flags
+            problem = Problem(scale=problem.scale, causal=True, causal_align="top_left", window=window)
+            return run_backward(CallRecord(problem, record.context, record.plan),
+                                BackwardTensors(do, q, k, v, out, lse, dead_rows=dead), original)
+        pad = padding_as_varlen(problem.attn_mask, do, q.shape[2], k.shape[2], empty_rows_inert=True)
+        if pad is not None:
+            tensors, packed = packed_call(pad, problem, do=do, q=q, k=k, v=v, out=out, lse=lse)
+            packed_original = lambda: tuple(pad.pack(g) for g in original())  # noqa: E731
+            return unpack_grads(pad, run_backward(CallRecord(packed, record.context, record.plan), tensors,
+                                                  packed_original))
+        record = CallRecord(problem, record.context, record.plan.dense)  # the mask stays a dense tensor
+    return run_backward(record, BackwardTensors(do, q, k, v, out, lse), original)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# cuDNN's plan cache (module docstring)
+
+@dataclass
+class _CudnnKeys:
+    """The cuDNN backward keys whose plan the seam built (dO in the output's layout), and whether cuDNN could
+    have built plans before the seam was installed (then other keys take the corrected tier)."""
+    ours: set = field(default_factory=set)
+    unknown_before: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _cudnn_key(b: Dict[str, Any]) -> tuple:
+    """What PyTorch's cuDNN MHA plan cache keys a backward on (``MHAParams``): device, dtype, q/k/v sizes and
+    strides, the bias's, dropout, causal."""
+    q, k, v, bias = b["query"], b["key"], b["value"], b.get("attn_bias")
+    return (q.device.index, q.dtype, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape),
+            v.stride(), None if bias is None else (tuple(bias.shape), bias.stride()), float(b["dropout_p"]),
+            bool(b["is_causal"]))
+
+
+def _output_layout(do: Tensor, out: Tensor) -> Tensor:
+    """dO with the strides of the output (a copy only where they differ), as cuDNN's own code makes a dO whose
+    innermost stride is not 1."""
+    if do.stride() == out.stride():
+        return do
+    order = sorted(range(out.dim()), key=lambda d: -out.stride(d))
+    inverse = [order.index(d) for d in range(out.dim())]
+    return do.permute(order).contiguous().permute(inverse)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The kernel at the autograd key
+
+def spec_of(op) -> SeamOp:
+    """The ``SeamOp`` of an op overload."""
+    name = op._schema.name
+    for spec in SEAM_OPS:
+        if spec.qualname == name:
+            return spec
+    raise KeyError(f"{name} is not an op of the SDPA seam")
+
+
+def _kernel(spec: SeamOp, op) -> Callable:
+    def kernel(keyset, *args, **kwargs):
+        return _backward(spec, op, keyset, args, kwargs)
+    kernel.__name__ = f"gproj_{spec.qualname.partition('::')[2]}"
+    return kernel
+
+
+def _backward(spec: SeamOp, op, keyset, args: tuple, kwargs: dict):
+    cfg = _config.active()
+    if cfg is None or cfg.mode == "off" or compat.dispatch_mode_active():
+        # off, or traced (AOTAutograd, FakeTensorMode, ...): exactly PyTorch's kernel
+        return compat.redispatch_native(op, keyset, args, kwargs)
+    tensors = [a for a in args if isinstance(a, Tensor)] + [a for a in kwargs.values() if isinstance(a, Tensor)]
+    if any(type(t) not in _PLAIN for t in tensors):
+        if any(_is_tracing(t) for t in tensors):
+            return compat.redispatch_native(op, keyset, args, kwargs)
+        return compat.redispatch_reentrant(op, keyset, args, kwargs)  # DTensor: its local calls come back here
+    b = bind(op, args, kwargs)
+    if spec.cudnn:
+        original = lambda: _cudnn_original(op, keyset, b)  # noqa: E731
+    else:
+        original = lambda: compat.redispatch_native(op, keyset, args, kwargs)  # noqa: E731
+    known = not spec.cudnn or _cudnn_plan_known(b)
+    with torch.no_grad():
+        outputs = corrected(spec, b, original, cfg, compat.current_autograd_node(), has_original=known)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        # create_graph=True: PyTorch's kernel of this op is not differentiable either; its gradients raise when
+        # a second backward reaches them (a clear error, not a silently missing term)
+        return tuple(compat.delayed_error(SECOND_ORDER_ERROR, tuple(outputs)))
+    return outputs
+
+
+def _is_tracing(t: Tensor) -> bool:
+    """FakeTensor, FunctionalTensor and the other tracing wrappers (no values to correct)."""
+    name = type(t).__name__
+    return name in ("FakeTensor", "FunctionalTensor") or t.device.type == "meta"
+
+
+def _cudnn_original(op, keyset, b: Dict[str, Any]):
+    """PyTorch's cuDNN backward with dO in the output's layout (module docstring)."""
+    key = _cudnn_key(b)
+    with CUDNN_KEYS.lock:
+        CUDNN_KEYS.ours.add(key)  # a plan this call builds has dO in the output's layout
+    b = dict(b, grad_out=_output_layout(b["grad_out"], b["out"]))
+    names = [a.name for a in op._schema.arguments]
+    args = [b[n] for n in names if not _kwarg_only(op, n)]
+    kwargs = {n: b[n] for n in names if _kwarg_only(op, n)}
+    return compat.redispatch_native(op, keyset, tuple(args), kwargs)
+
+
+def _kwarg_only(op, name: str) -> bool:
+    return any(a.name == name and a.kwarg_only for a in op._schema.arguments)
+
+
+def _cudnn_plan_known(b: Dict[str, Any]) -> bool:
+    """Whether cuDNN's cached plan for this call's key has dO in the output's layout: the seam built it, or no
+    cuDNN backward can have run before the seam was installed."""
+    if not CUDNN_KEYS.unknown_before:
+        return True
+    with CUDNN_KEYS.lock:
+        return _cudnn_key(b) in CUDNN_KEYS.ours
+
+
+CUDNN_KEYS = _CudnnKeys()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# install / uninstall
+
+@dataclass
+class InstalledSeam:
+    """What ``install()`` registered (hook bookkeeping: ``reset()`` leaves it alone). One instance."""
+    libraries: List[Any] = field(default_factory=list)
+    ops: List[str] = field(default_factory=list)
+    pending: Any = None  # the import hook waiting for torch.nn.attention.varlen (its custom op)
+
+
+INSTALLED = InstalledSeam()
+
+
+def _register(specs) -> List[str]:
+    """Register the seam's kernel for every op of ``specs`` this torch has; returns their names."""
+    done = []
+    by_namespace: Dict[str, Any] = {}
+    for spec in specs:
+        op = compat.op_overload(spec.qualname)
+        if op is None:
+            continue
+        namespace = spec.qualname.partition("::")[0]
+        lib = by_namespace.get(namespace)
+        if lib is None:
+            lib = by_namespace[namespace] = compat.autograd_library(namespace)
+            INSTALLED.libraries.append(lib)
+        for key in spec.keys:
+            compat.register_autograd_kernel(lib, op, _kernel(spec, op), key)
+        done.append(spec.qualname)
+    INSTALLED.ops.extend(done)
+    return done
+
+
+def _cuda_backward_may_have_run() -> bool:
+    """Whether a cuDNN backward can have run in this process already: CUDA is initialized and the autograd
+    engine's device threads exist (a CUDA backward started them), or their names cannot be read. (A cuDNN
+    backward op called directly on a user thread, outside autograd, before ``enable()`` is not seen.)"""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    return compat.autograd_device_threads_started() is not False
 
 
 def install() -> str:
-    """Put the wrapper on ``F`` and on every module global that held the original (``find_bound_names``)."""
-    if INSTALLED.saved is not None:
+    if INSTALLED.libraries or INSTALLED.pending is not None:
         return "installed"
-    current = F.scaled_dot_product_attention
-    if compat.is_context_parallel_wrapper(current):
-        logger.warning("context_parallel is active: the SDPA hook is not installed inside it (its backward would "
-                       "be computed from local shards); call enable() before entering context_parallel")
-        return "skipped: context_parallel is active; enable() before entering it"
-    ours = getattr(current, "__gproj_patched__", False)
-    # TorchScript scripts F.multi_head_attention_forward, which reads this name: compile the wrapper as the aten op
-    compat.register_torchscript_builtin(scaled_dot_product_attention, "aten::scaled_dot_product_attention")
-    INSTALLED.saved = current
-    sdpa_op.set_original(None if ours else current)
-    F.scaled_dot_product_attention = scaled_dot_product_attention
-    if not ours:
-        INSTALLED.bound.extend(_rebind_bound_names(current))
-        _report(INSTALLED.bound)
-    return "installed"  # the rebound names: bound_names() and the log line
+    CUDNN_KEYS.unknown_before = _cuda_backward_may_have_run()
+    CUDNN_KEYS.ours.clear()
+    custom = tuple(s for s in SEAM_OPS if not s.qualname.startswith("aten::"))
+    _register(tuple(s for s in SEAM_OPS if s.qualname.startswith("aten::")))
+    from ..runtime.import_hooks import call_after_import, imported
+    if imported(compat.VARLEN_MODULE):
+        _register(custom)
+    else:  # its custom op exists once its module is imported (torchtitan imports it when it builds the model)
+        INSTALLED.pending = call_after_import(compat.VARLEN_MODULE, lambda: _register_pending(custom))
+    return "installed"
+
+
+def _register_pending(specs) -> None:
+    INSTALLED.pending = None
+    _register(specs)
 
 
 def uninstall() -> None:
-    if INSTALLED.saved is None:
-        return
-    restore_by_identity(vars(F), "scaled_dot_product_attention", scaled_dot_product_attention, INSTALLED.saved,
-                        "torch.nn.functional.scaled_dot_product_attention")
-    _restore_bound_names(INSTALLED.saved)
-    sdpa_op.set_original(None)
-    INSTALLED.saved = None
+    if INSTALLED.pending is not None:
+        INSTALLED.pending.cancel()
+        INSTALLED.pending = None
+    while INSTALLED.libraries:
+        compat.destroy_library(INSTALLED.libraries.pop())
+    INSTALLED.ops.clear()
+
+
+def is_installed() -> bool:
+    return bool(INSTALLED.libraries)
+
+
+def seam_ops() -> List[str]:
+    """The ops the seam is registered on now."""
+    return list(INSTALLED.ops)

@@ -1,8 +1,12 @@
-"""Which layer an attention call belongs to: ``layer_scope(name)``, else ``call{n}`` within the step.
+"""Which layer an attention call belongs to: ``layer_scope(name)``, else a number within the step.
 
-``layer_scope(name)`` sets the name for the attention calls made inside it. Without a scope, ``layer_id()``
-numbers the forward calls of one step ``"call0"``, ``"call1"``, ... (``state.RuntimeState.next_call_name``). The
-name is taken once, at the call's forward, into its record; the backward never asks again.
+``layer_scope(name)`` sets the name for the attention calls made inside it. A hook that makes its record at the
+forward (FA4, HF eager, flex) takes the open scope's name then, else ``layer_id()`` numbers the forward calls of one
+step ``"call0"``, ``"call1"``, ... (``state.RuntimeState.next_call_name``). The SDPA seam has no forward: it runs in
+the backward op, and learns its layer from its autograd node (``backward_layer``). Every named scope therefore
+also records the span of autograd sequence numbers of the nodes made inside it (``state.LayerSpans``); the
+backward of a node made inside takes that name, else ``"sdpa{n}"``, the n-th unnamed SDPA backward of its
+backward pass.
 
 HF models get one naming scheme whatever their ``attn_implementation`` (the policy's keys must not change with
 it): a call made by an HF attention module is named by ``module_layer(module)`` — the open scope of
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from typing import Iterator, Optional
 
 from ..runtime.state import STATE
@@ -45,13 +50,41 @@ def exit_traced_layer() -> None:
         STATE.traced_layers.pop()
 
 
+def _sequence_nr() -> int:
+    """This thread's autograd sequence counter (``compat``, imported here: ``import gproj_patch`` imports no
+    torch)."""
+    from ..backends.compat import autograd_sequence_nr
+    return autograd_sequence_nr()
+
+
 @contextlib.contextmanager
-def layer_scope(name: str) -> Iterator[str]:
-    token = _current.set(str(name))
+def _named(name: str) -> Iterator[str]:
+    """Open ``name`` as the current layer and record the span of autograd nodes made inside it. A scope opened
+    while another is open is not recorded as a span: the outer one names them (the same rule as for forwards)."""
+    outer = _current.get() is not None
+    token = _current.set(name)
+    start = None if outer else _sequence_nr()
     try:
-        yield str(name)
+        yield name
     finally:
         _current.reset(token)
+        if start is not None:
+            STATE.spans.add(threading.get_ident(), start, _sequence_nr(), name)
+
+
+def layer_scope(name: str):
+    """Name the attention calls made inside (a context manager): their records at the forward, and the SDPA
+    backwards of the autograd nodes made inside."""
+    return _named(str(name))
+
+
+def backward_layer(node) -> Optional[str]:
+    """The layer name of the attention backward running for autograd ``node`` (the SDPA seam's): the named scope
+    its forward ran in, else None."""
+    if node is None:
+        return None
+    from ..backends.compat import node_sequence_nr
+    return STATE.spans.find(node_sequence_nr(node), threading.get_ident())
 
 
 def module_layer_name(module) -> Optional[str]:
@@ -88,11 +121,8 @@ def call_in_module_layer(module, fn, *args, **kwargs):
             return fn(*args, **kwargs)
         finally:
             exit_traced_layer()
-    token = _current.set(name)
-    try:
+    with _named(name):
         return fn(*args, **kwargs)
-    finally:
-        _current.reset(token)
 
 
 def layer_id() -> str:

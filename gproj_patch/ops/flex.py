@@ -17,7 +17,7 @@ attention backward's), tensor subclasses, nested tensors. PyTorch's flex has no 
 CPU call gets the FP32 tier (the original backward is unreachable there: ``original`` is None).
 
 Forward bits. On CUDA the original runs with grad on detached aliases (the same graph and kernel as the
-unpatched call; its saved tensors kept by the same detaching hooks as ``sdpa_call.run_original_with_lse``, so an
+unpatched call; its saved tensors kept by the same detaching hooks as ``sdpa_call.inner_saved_tensors_hooks``, so an
 enclosing activation checkpoint never packs them); the inner graph is dropped at once except in
 ``auto``/``audit``, where its backward *is* the original. On CPU (no flex backward) it runs without grad.
 """

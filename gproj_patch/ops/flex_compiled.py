@@ -3,8 +3,8 @@
 Dynamo traces ``_CompiledFlexFunction`` (an autograd Function): its forward is the original flex call (the
 flex higher-order op, lowered by Inductor to the same fused kernel as an unpatched compiled call) plus
 ``gproj::flex_context``, an opaque op that makes the call's record and plan at run time (``record.make_context``,
-``plan.make_plan``, from the forward's q, k, v, output, LSE and mask summaries; filed in the runtime state as in
-``sdpa_compiled``); its backward is ``gproj::flex_bwd``, an opaque op that carries the plan out at run time
+``plan.make_plan``, from the forward's q, k, v, output, LSE and mask summaries; filed in the runtime state under
+a call number that travels through the graph); its backward is ``gproj::flex_bwd``, an opaque op that carries the plan out at run time
 (``router.run_backward``). The original fused backward is unreachable from inside an op: in
 ``auto``/``audit`` a policy choice of "original" runs an uncorrected stand-in, with that reason logged.
 

@@ -2,7 +2,7 @@
 
 The router (``router.py``) calls, for modes "auto" and "audit",
 
-    tier = policy.decide(record, q=q, k=k, lse=lse)       # at the call's forward, by plan.make_plan
+    tier = policy.decide(record, q=q, k=k, lse=lse)       # once per call, by plan.make_plan
     ...  # the backward runs the planned tier
     policy.after_backward(record, tier=tier, grads=(dq, dk, dv), fp32_grads=callable)   # audit only
 
@@ -141,9 +141,19 @@ def _sample(record, q, k, lse, rec: LayerRecord, step: int) -> Optional[Dict[str
         return None
 
 
+def _capturing(q) -> bool:
+    """True while the current CUDA stream is being captured into a graph (``torch.cuda.graph``, inductor's
+    cudagraph trees): no host read-back is allowed then."""
+    if not getattr(q, "is_cuda", False):
+        return False
+    import torch
+    return torch.cuda.is_current_stream_capturing()
+
+
 def decide(record, *, q, k, lse) -> str:
     """Tier for the backward of ``record`` ("original", "gproj" or "fp32"; see the module docstring), decided
-    at its forward (``plan.make_plan``) on the forward's q, k and LSE."""
+    once per call (``plan.make_plan``: at a hook's forward, or in the SDPA seam's backward op) on the call's q, k
+    and LSE."""
     ctx = record.context
     if ctx.mode not in MODES:
         raise ValueError(f"policy.decide: mode must be one of {MODES}, got {ctx.mode!r}")
@@ -154,7 +164,8 @@ def decide(record, *, q, k, lse) -> str:
             rec = STATE.layers[ctx.layer] = LayerRecord(ctx.layer)
         step = STATE.step()
         bucket = step // cfg.sample_every
-        sample = rec.sampled_bucket != bucket
+        # never while a CUDA graph is being captured: the detector reads its statistics back to the host
+        sample = rec.sampled_bucket != bucket and not _capturing(q)
         if sample:
             rec.sampled_bucket = bucket  # claim it: a concurrent call of the same layer does not re-sample
     summary = _sample(record, q, k, lse, rec, step) if sample else None
@@ -176,26 +187,6 @@ def decide(record, *, q, k, lse) -> str:
                 STATE.events.append(event)
                 rec.unran.append(event)
         return rec.tier
-
-
-def keeps_original(context) -> bool:
-    """True when this call's backward is already decided at its forward: an ``auto``/``audit`` layer on the
-    ``original`` tier whose current sampling period was sampled. The hook then runs the original SDPA itself
-    (no wrapper, no nested graph): an unflagged layer costs nothing between samples."""
-    if context.mode not in MODES:
-        return False
-    rec = STATE.layers.get(context.layer)
-    return (rec is not None and rec.tier == "original"
-            and rec.sampled_bucket == STATE.step() // context.policy.sample_every)
-
-
-def count_original(context) -> None:
-    """Count a backward of a call ``keeps_original`` passed through (as ``after_backward`` counts)."""
-    with STATE.lock:
-        rec = STATE.layers.get(context.layer)
-        if rec is not None:
-            rec.calls["original"] += 1
-            rec.ran = "original"
 
 
 def after_backward(record, *, tier: str, grads: Sequence[Optional[Any]] = (), step: Optional[int] = None,

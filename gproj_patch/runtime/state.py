@@ -30,14 +30,74 @@ This module imports nothing from the package (everyone imports it).
 """
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import Counter, OrderedDict
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 #: compiled forwards whose (context, plan) is kept for their backward: a bound far above the attention calls
 #: of one step (each entry is a few hundred bytes, no tensor)
 COMPILED_CALLS_MAX = 16384
+
+
+#: named forward scopes kept per thread for the backward's lookup (``LayerSpans``): far above the attention calls of
+#: one step; the oldest half is dropped past it
+SPANS_PER_THREAD_MAX = 8192
+#: threads whose spans are kept (a pool that made forwards once and died is forgotten first)
+SPAN_THREADS_MAX = 64
+
+
+class LayerSpans:
+    """The layer names of named forward scopes, by autograd sequence number, so that a backward that has no
+    forward record (the SDPA seam) learns its layer from its autograd node.
+
+    Every autograd node carries the value of its thread's sequence counter when it was made; a scope
+    (``layer_scope``, an HF attention module's call, a tracked module) records the counter at its entry and at
+    its exit, so the nodes made inside it are exactly those with a number in ``[start, end)`` *on that thread*.
+    Counters are per thread: a number is looked up first among the spans of the thread asking (a reentrant
+    checkpoint recomputes its forward on the backward's thread), then among the others, and only a single match
+    there names the node. Only outermost scopes are recorded (an open scope wins over the ones inside it), so each
+    thread's spans are disjoint and recorded in order: a bisection finds the one holding a number."""
+
+    def __init__(self) -> None:
+        self.by_thread: "OrderedDict[int, Tuple[List[int], List[int], List[str]]]" = OrderedDict()
+
+    def add(self, thread: int, start: int, end: int, name: str) -> None:
+        if end <= start:  # no node was made inside: nothing to name
+            return
+        entry = self.by_thread.get(thread)
+        if entry is None:
+            entry = self.by_thread[thread] = ([], [], [])
+            while len(self.by_thread) > SPAN_THREADS_MAX:
+                self.by_thread.popitem(last=False)
+        starts, ends, names = entry
+        starts.append(start)
+        ends.append(end)
+        names.append(name)
+        if len(starts) > SPANS_PER_THREAD_MAX:
+            half = len(starts) // 2
+            del starts[:half], ends[:half], names[:half]
+
+    @staticmethod
+    def _find(entry, seq: int) -> Optional[str]:
+        starts, ends, names = entry
+        i = bisect.bisect_right(starts, seq) - 1
+        return names[i] if i >= 0 and seq < ends[i] else None
+
+    def find(self, seq: int, thread: int) -> Optional[str]:
+        """The name of the span holding ``seq`` (this thread's first), or None."""
+        own = self.by_thread.get(thread)
+        if own is not None:
+            name = self._find(own, seq)
+            if name is not None:
+                return name
+        found = {self._find(entry, seq) for t, entry in list(self.by_thread.items()) if t != thread}
+        found.discard(None)
+        return found.pop() if len(found) == 1 else None
+
+    def clear(self) -> None:
+        self.by_thread.clear()
 
 
 class RuntimeState:
@@ -48,7 +108,7 @@ class RuntimeState:
         # A plain list: Dynamo traces its append/pop (a ContextVar.set is a graph break) and reads the name as a
         # constant of the graph. Kept by identity (reset() clears it in place).
         self.traced_layers: List[str] = []
-        # compiled hooks (ops/sdpa_compiled.py, ops/flex_compiled.py): each forward op files its call's context
+        # the compiled flex hook (ops/flex_compiled.py): each forward op files its call's context
         # and plan under a call number that travels through the graph to its backward op. A bounded channel, not
         # statistics: kept by reset() (a backward after a reset still finds its forward's plan); bounded by
         # COMPILED_CALLS_MAX (oldest dropped: forwards whose backward never runs); holds no tensor
@@ -75,6 +135,16 @@ class RuntimeState:
             self.call_index = 0
             self.backward_seen = False
             self.forward_task = -1  # autograd's graph task of the last hooked forward (-1: outside a backward)
+            # the SDPA seam, which sees only backwards: the graph task of its last call, whether a hooked forward
+            # began the current step (then the next backward pass belongs to it), its unnamed calls' numbering
+            self.backward_task: Optional[int] = None
+            self.step_from_forward = False
+            self.backward_call_index = 0
+            # layer names of named forward scopes, for backwards without a forward record (layers/scope.py)
+            self.spans = LayerSpans()
+            # the rows the kernels found to be shards of a row (not projected), one counter per device, added to
+            # on the device (no sync); read by stats()
+            self.partial_rows: Dict[str, Any] = {}
             # policy (policy.py): one LayerRecord per layer name, tier transitions, detector failure flag
             self.layers: Dict[str, Any] = {}
             self.events: List[Dict[str, Any]] = []
@@ -87,9 +157,6 @@ class RuntimeState:
             # router.kernel_reason's answers per key (device type, dtypes, head dims, B·H): cleared with the rest
             self.kernel_reasons: Dict[tuple, Optional[str]] = {}
             self.traced_layers.clear()
-            # integrations/sdpa.py: per thread, how many calls of the SDPA wrapper reached the patched path (a
-            # __torch_function__ override that never calls SDPA back is told apart by an unchanged count)
-            self.sdpa_reentry = threading.local()
 
     # --- steps ------------------------------------------------------------------------------------------
     def step(self) -> int:
@@ -109,6 +176,7 @@ class RuntimeState:
             else:
                 self.implicit_step += 1
             self.call_index = 0
+            self.backward_call_index = 0
             self.backward_seen = False
 
     def forward_started(self, task: int = -1) -> None:
@@ -124,8 +192,37 @@ class RuntimeState:
                     if self.explicit_step is None:
                         self.implicit_step += 1
                     self.call_index = 0
+                    self.backward_call_index = 0
                     self.backward_seen = False
+                    self.step_from_forward = True
         self.forward_task = task
+
+    def backward_pass(self, task: int) -> None:
+        """Every seam backward calls this with its autograd graph task: the first call of a new backward pass
+        starts a new step — unless a hooked forward already started one since the last pass (a model that mixes
+        SDPA with FA4/HF-eager calls advances once). The first pass of the process (or after a reset) is step 0."""
+        if task == self.backward_task:
+            return
+        with self.lock:
+            if task == self.backward_task:
+                return
+            first = self.backward_task is None
+            self.backward_task = task
+            self.backward_call_index = 0
+            if self.step_from_forward or first:
+                self.step_from_forward = False
+                return
+            if self.explicit_step is None:
+                self.implicit_step += 1
+            self.call_index = 0
+            self.backward_seen = False
+
+    def next_backward_call_name(self) -> str:
+        """``sdpa{n}``: the n-th unnamed seam backward of this pass (backward order: the last layer first)."""
+        with self.lock:
+            n = self.backward_call_index
+            self.backward_call_index += 1
+        return f"sdpa{n}"
 
     def next_call_name(self) -> str:
         """``call{n}``: the n-th unnamed attention forward of this step."""

@@ -7,9 +7,15 @@ and why not the Gluon one).
 A *fallback* is any call that did not run the GProj kernel in a mode that asked for it, or that kept the
 original path although the patch was on (e.g. an attention mask that requires grad); its reason is counted
 every time and logged through ``logging.getLogger("gproj_patch")`` the first time a (reason, shape class) pair
-is seen. The shape class is (source, device type, dtype, head dim, GQA or not): coarse on purpose. The line is a
-WARNING, except where the call ran the FP32 tier on a CPU tensor: that is the documented CPU backward (the
-kernel runs on CUDA, on CPU only in Triton's interpreter), not a degradation, so it is INFO.
+is seen. The shape class is (source, device type, dtype, head dim, GQA or not): coarse on purpose. The line's
+level says what it means to the user:
+
+* WARNING — the patch ran a slower corrected tier than the mode asked for (the kernel cannot take a CUDA call;
+  the FP32 tier runs instead);
+* DEBUG — a call passed to PyTorch's own backward because it cannot be corrected exactly (dropout, a mask that
+  needs a gradient, a tensor subclass, ...): PyTorch's behaviour, counted in ``stats()``, not an alarm;
+* on a CPU tensor the FP32 tier is the documented backward of mode ``gproj`` (the kernel runs on CUDA, on CPU
+  only in Triton's interpreter): the plan gives it no reason at all; a reason it has anyway is INFO.
 """
 from __future__ import annotations
 
@@ -36,8 +42,10 @@ def shape_class(source: str, q=None, k=None) -> Tuple:
 
 
 def _log_level(tier: str, cls: Tuple) -> int:
-    """INFO for the FP32 tier on a CPU tensor (the shape class's device; the documented CPU backward), else
-    WARNING: a CUDA call off the kernel, or any call left on the original (uncorrected) backward."""
+    """DEBUG for a pass-through (tier "original"), INFO for the FP32 tier on a CPU tensor (the shape class's
+    device), WARNING for the FP32 tier on a CUDA tensor (module docstring)."""
+    if tier == "original":
+        return logging.DEBUG
     on_cpu = len(cls) > 1 and cls[1] == "cpu"
     return logging.INFO if tier == "fp32" and on_cpu else logging.WARNING
 
@@ -68,6 +76,12 @@ def record_backward(tier: str, reason: Optional[str] = None, cls: Tuple = ()) ->
         STATE.backward[tier] += 1
         if reason:
             _note_reason(reason, cls, tier)
+
+
+def record_pass_through(reason: str, cls: Tuple = ()) -> None:
+    """A backward passed to PyTorch's own kernel because it cannot be corrected exactly (the SDPA seam): an
+    "original" backward with its reason, logged once per reason and shape class at DEBUG."""
+    record_backward("original", reason, cls)
 
 
 def record_forward(path: str, reason: Optional[str] = None, cls: Tuple = ()) -> None:

@@ -204,14 +204,6 @@ def test_no_host_function_with_a_dozen_loose_arguments():
     assert not bad, bad
 
 
-def test_no_module_over_about_400_lines():
-    """Every module of the package stays near 400 lines (``MAX_MODULE_LINES``): a module past it is split by role,
-    as ``backends/compat/`` and the tl kernels' ``triton_tiles.py`` were."""
-    bad = [f"{path.relative_to(REPO)}: {n} lines" for path in KNOWN.values()
-           if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
-    assert not bad, bad
-
-
 # ---- tests load no benchmark script ----------------------------------------------------------------------------
 BENCHMARKS = REPO / "benchmarks"
 #: calls that import or run a file or put a folder on the import path (matched on the call's last name) ...

@@ -1,7 +1,12 @@
-"""The SDPA hook on a CUDA GPU: each fused backend's forward kept bit for bit, the GProj kernel's backward.
-
-Skipped without CUDA; run on the H200 by `benchmarks/run_device.sh`.
+"""The SDPA seam on a CUDA GPU: each fused backend's forward kept bit for bit, the GProj kernel's backward, every
+op the seam takes (the three SDPA backward ops, ``varlen_attn``'s), dropout passed through, and cuDNN's cached
+plan read with the right dO layout. Skipped without CUDA.
 """
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,3 +119,95 @@ def test_detector_graph_replay_matches_eager(monkeypatch):
         stats.append(graphed.summary())
     assert stats[0] != stats[1]
     assert not STATE.detector_graph_failed and detector._GRAPHS
+
+
+def test_dropout_passes_through_bitwise():
+    """Fused dropout cannot be corrected: PyTorch's backward with the same RNG state, bit for bit, counted."""
+    q, k, v, do = _inputs(7, S=256)
+    results = []
+    for patched in (False, True):
+        torch.manual_seed(11)
+        if patched:
+            gproj_patch.reset_stats()
+            with gproj_patch.enable(mode="gproj"):
+                results.append(_run(q, k, v, do, dropout_p=0.2))
+                stats = gproj_patch.stats()
+        else:
+            results.append(_run(q, k, v, do, dropout_p=0.2))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    assert stats["original"] == 1 and any("dropout" in r for r in stats["fallback_reasons"]), stats
+
+
+def test_varlen_attn_is_reached():
+    """``torch.nn.attention.varlen.varlen_attn`` (torchtitan's): its backward custom op is a seam op; packed
+    sequences with causal (bottom-right per sequence) are corrected against fp64."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    lens, H, D = (100, 37, 256), 4, 64
+    cu = torch.tensor([0, 100, 137, 393], dtype=torch.int32, device="cuda")
+    T = sum(lens)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v, do = (torch.randn(T, H, D, device="cuda", generator=g, dtype=torch.float64) for _ in range(4))
+    k = k + 256.0 * torch.randn(D, device="cuda", generator=g, dtype=torch.float64).div(8.0)
+    low = [t.to(torch.bfloat16) for t in (q, k, v, do)]
+    grads = []
+    for patched in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in low[:3]]
+        with gproj_patch.enable(mode="gproj") if patched else _null():
+            out = varlen.varlen_attn(*leaves, cu, cu, max(lens), max(lens), window_size=(-1, 0))
+            out.backward(low[3])
+            if patched:
+                stats = gproj_patch.stats()
+        grads.append([t.grad for t in leaves])
+    four = lambda t: t.unsqueeze(0).transpose(1, 2).double()  # noqa: E731
+    ref = reference_backward(*(four(t) for t in low[:3]), four(low[3]), causal=True, causal_align="bottom_right",
+                             cu_seqlens_q=cu, cu_seqlens_k=cu)
+    for g_, r in zip(grads[1], ref):
+        assert _rel(four(g_), r) < 5e-3
+    assert _rel(four(grads[0][0]), ref[0]) > 5 * _rel(four(grads[1][0]), ref[0])
+    assert stats["gproj"] == 1, stats
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("order", ["contiguous_first", "view_first"])
+def test_cudnn_do_layout_defect(order):
+    """PyTorch 2.11's cuDNN backward keeps the first call's dO strides in its cached plan: unpatched, the second
+    call of one shape with the other dO layout is wrong (gradients off by ~100%); with the seam — enabled before
+    any CUDA work, or after the first (unpatched) backward — both calls are right. Fresh processes."""
+    def run(mode):
+        env = dict(os.environ, PYTHONPATH=os.getcwd())
+        res = subprocess.run([sys.executable, "-m", "tests.hooks.cudnn_do_layout_probe", mode, order],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    unpatched = run("unpatched")
+    assert unpatched["errors"][0]["dq"] < 1e-2
+    assert max(unpatched["errors"][1].values()) > 0.5, unpatched  # the upstream defect, reproduced
+    for mode in ("patched", "patched_late"):
+        got = run(mode)
+        for errs in got["errors"]:
+            assert max(errs.values()) < 1e-2, got
+    assert got["stats"]["gproj"] >= 1, got  # patched_late: the key's plan predates the seam
+
+
+def test_efficient_boolean_causal_mask_runs_as_flags():
+    """The efficient op gets SDPA's boolean mask as an additive bias (0 / -inf): recognised as the causal
+    pattern, the kernel runs with flags instead of the FP32 tier."""
+    q, k, v, do = _inputs(8, S=256)
+    causal = torch.ones(256, 256, dtype=torch.bool, device="cuda").tril()
+    with torch.nn.attention.sdpa_kernel(BACKENDS["efficient"]):
+        gproj_patch.reset_stats()
+        with gproj_patch.enable(mode="gproj"):
+            _, grads = _run(q, k, v, do, attn_mask=causal)
+            stats = gproj_patch.stats()
+    assert stats["gproj"] == 1, stats
+    ref = reference_backward(q, k, v, do, causal=True)
+    for g, r in zip(grads, ref):
+        assert _rel(g, r) < 5e-3

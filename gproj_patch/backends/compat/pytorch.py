@@ -1,21 +1,28 @@
-"""PyTorch's private APIs the package touches (SDPA's builtin, fused nodes and fused ops, tensor subclasses,
-autograd internals, custom ops, context parallel, TorchScript, Dynamo, flex) and the libraries registered through
-them (flash-attn's ops and FA4's interface, Transformers' attention registries). The table of touch-points with
-the versions each was checked against is in the package docstring (``backends/compat/__init__.py``)."""
+"""PyTorch's private APIs the package touches (the dispatcher seam's registration and redispatch, SDPA's fused
+autograd nodes, autograd internals, custom ops, Dynamo, flex) and the libraries registered through them
+(flash-attn's ops and FA4's interface, Transformers' attention registries). The table of touch-points with the
+versions each was checked against is in the package docstring (``backends/compat/__init__.py``)."""
 from __future__ import annotations
 
-import contextlib
-import functools
-from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from .errors import CompatError
 
-# ---- PyTorch SDPA: the builtin, and the LSE saved by the fused autograd node ---------------------------------
-BUILTIN_SDPA = torch._C._nn.scaled_dot_product_attention
+#: the names ``compat`` re-exports (``compat.NAME``)
+__all__ = ['SDPA_FLASH_BACKWARD', 'SDPA_EFFICIENT_BACKWARD', 'SDPA_CUDNN_BACKWARD', 'SDPA_CPU_FLASH_BACKWARD',
+           'FLASH_BACKWARD', 'EFFICIENT_BACKWARD', 'VARLEN_BACKWARD', 'VARLEN_MODULE', 'below_autograd',
+           'assume_constant_result', 'FLEX_SLICED_MASK_MOD', 'flex_identity_score_mod', 'FUSED_SDPA_NODES',
+           'fused_sdpa_node', 'fused_sdpa_lse', 'op_overload', 'autograd_library', 'register_autograd_kernel',
+           'destroy_library', 'redispatch_native', 'redispatch_reentrant', 'dispatch_mode_active',
+           'current_autograd_node', 'autograd_sequence_nr', 'node_sequence_nr', 'AUTOGRAD_THREAD_PREFIX', 'autograd_device_threads_started',
+           'FUSED_NODE_FORMULAS',
+           'fused_node_backward', 'functorch_transform_active', 'forward_ad_active', 'saved_tensors_hooks_enabled',
+           'saved_tensors_default_hooks_active', 'graph_task_id', 'delayed_error', 'CUDAGRAPH_UNSAFE_TAGS',
+           'custom_op_def', 'custom_op_kernel', 'set_custom_op_kernel', 'custom_op_fake', 'custom_op_signature_fn',
+           'FA2_BACKWARD_OPS', 'FA3_BACKWARD_OPS', 'FA_FORWARD_OPS', 'FA4_INTERFACE', 'FA4_BACKWARD', 'FA4_FORWARD',
+           'fa4_interface', 'hf_registry_mapping', 'dynamo_module_name']
 
 
 def assume_constant_result(fn):
@@ -73,18 +80,159 @@ def fused_sdpa_lse(grad_fn) -> Optional[torch.Tensor]:
     raise CompatError(f"{type(node).__name__} has none of {_LSE_ATTRS}: PyTorch renamed the saved LSE")
 
 
-# ---- tensor subclasses: __torch_function__ ----------------------------------------------------------------
-def overrides_torch_function(cls) -> bool:
-    """True for a tensor subclass with its own ``__torch_function__`` (it may take an op over, as
-    ``CausalBias`` takes SDPA): neither ``torch.Tensor``'s default nor torch's private "disabled" marker
-    (``torch._C._disabled_torch_function_impl``, what ``Parameter``-like subclasses set to opt out)."""
-    fn = getattr(cls, "__torch_function__", None)
-    if fn is None:
-        return False
-    disabled = getattr(torch._C, "_disabled_torch_function_impl", None)
-    if disabled is None:
-        raise CompatError("torch._C._disabled_torch_function_impl is gone: torch changed __torch_function__")
-    return getattr(fn, "__func__", fn) not in (torch.Tensor.__torch_function__.__func__, disabled)
+# ---- the dispatcher seam: a Python kernel at an op's autograd key ---------------------------------------------
+# ``torch.library.Library(ns, "IMPL").impl(name, fn, "AutogradCUDA", with_keyset=True)`` puts ``fn`` above
+# PyTorch's own autograd kernel of the op for that backend (a concrete key beats the ``Autograd`` alias PyTorch
+# registers at, so nothing is overridden and no warning is printed); destroying the library removes it. Checked:
+# torch 2.13 (CPU: eager, aot_eager, inductor), 2.11 (H100/H200: the three CUDA SDPA backward ops).
+
+def op_overload(qualname: str) -> Optional[Any]:
+    """The ``.default`` overload of the op ``"namespace::name"``, or None where this torch has no such op (a custom
+    op whose defining module is not imported yet, an op newer than the installed torch)."""
+    namespace, _, name = qualname.partition("::")
+    try:
+        return getattr(getattr(torch.ops, namespace), name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def autograd_library(namespace: str):
+    """A ``torch.library.Library`` of the IMPL kind for ``namespace`` (the seam's registrations live in it)."""
+    return torch.library.Library(namespace, "IMPL")
+
+
+def register_autograd_kernel(lib, op, fn: Callable, key: str) -> None:
+    """Register ``fn(keyset, *args, **kwargs)`` as ``op``'s kernel at the autograd dispatch key ``key``."""
+    lib.impl(op._schema.name.partition("::")[2], fn, key, with_keyset=True)
+
+
+def destroy_library(lib) -> None:
+    """Remove every kernel ``lib`` registered (PyTorch's own kernels are in force again)."""
+    lib._destroy()
+
+
+#: the backward ops of PyTorch's fused attention kernels that the SDPA seam takes (their argument names are read
+#: by schema name). Checked: torch 2.11, 2.13.
+SDPA_FLASH_BACKWARD = "aten::_scaled_dot_product_flash_attention_backward"
+SDPA_EFFICIENT_BACKWARD = "aten::_scaled_dot_product_efficient_attention_backward"
+SDPA_CUDNN_BACKWARD = "aten::_scaled_dot_product_cudnn_attention_backward"
+SDPA_CPU_FLASH_BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+FLASH_BACKWARD = "aten::_flash_attention_backward"
+EFFICIENT_BACKWARD = "aten::_efficient_attention_backward"
+#: ``torch.nn.attention.varlen.varlen_attn``'s backward custom op, defined when its module is imported
+VARLEN_BACKWARD = "torch_attn::_varlen_attn_backward"
+VARLEN_MODULE = "torch.nn.attention.varlen"
+
+
+def below_autograd():
+    """A context in which op calls skip the autograd keys (what PyTorch's autograd kernels redispatch under)."""
+    return torch._C._AutoDispatchBelowAutograd()
+
+
+#: the keys a redispatch from an autograd kernel continues with (PyTorch's generated autograd kernels use it)
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def redispatch_native(op, keyset, args, kwargs):
+    """What PyTorch's own autograd kernel of a non-differentiable op does: the kernels below autograd, with
+    autograd excluded for every call they make (``AutoDispatchBelowAutograd``)."""
+    with below_autograd():
+        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
+
+
+def redispatch_reentrant(op, keyset, args, kwargs):
+    """The kernels below autograd with autograd left on for the calls *they* make: a tensor subclass that runs
+    the op on its inner plain tensors (DTensor's local calls, its context-parallel ring) reaches the seam again
+    with each of those calls."""
+    return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
+
+
+def dispatch_mode_active() -> bool:
+    """True while a ``TorchDispatchMode`` is on the stack (FakeTensorMode, AOTAutograd's tracing modes, ...)."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+def current_autograd_node() -> Optional[Any]:
+    """The autograd node whose backward is running on this thread (``torch._C._current_autograd_node``), or
+    None outside one (a backward op called directly)."""
+    return torch._C._current_autograd_node()
+
+
+def autograd_sequence_nr() -> int:
+    """This thread's autograd sequence counter: the number the next node made on this thread will carry
+    (``Node._sequence_nr()`` of the nodes made so far is below it)."""
+    return torch._C._autograd._get_sequence_nr()
+
+
+def node_sequence_nr(node) -> int:
+    """``node._sequence_nr()``: the counter value of the thread that made it, when it was made."""
+    return node._sequence_nr()
+
+
+#: the name prefix of the autograd engine's device threads (``c10::setThreadName("pt_autograd_" + device)``),
+#: started by the first backward that runs on a device. Checked: torch 2.11 (H100).
+AUTOGRAD_THREAD_PREFIX = "pt_autograd_"
+
+
+def autograd_device_threads_started() -> Optional[bool]:
+    """Whether the autograd engine has started its device threads in this process (a CUDA backward has run),
+    read from the thread names in ``/proc/self/task``; None where they cannot be read (not Linux)."""
+    import os
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as f:
+                if f.read().startswith(AUTOGRAD_THREAD_PREFIX):
+                    return True
+        except OSError:  # the thread ended while we looked
+            continue
+    return False
+
+
+#: each fused SDPA node: its backward op and the saved fields its formula passes, in the op's argument order
+#: (``torchgen/packaged/autograd/derivatives.yaml``; "grad" is the incoming gradient, "grad_input_mask" the
+#: inputs that need one). Checked: torch 2.11, 2.13.
+FUSED_NODE_FORMULAS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
+    "ScaledDotProductFlashAttentionForCpuBackward0": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+        ("grad", "query", "key", "value", "output", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale")),
+    "ScaledDotProductFlashAttentionBackward0": (
+        "aten::_scaled_dot_product_flash_attention_backward",
+        ("grad", "query", "key", "value", "output", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+         "dropout_p", "is_causal", "rng_state", "unused", "scale")),
+    "ScaledDotProductEfficientAttentionBackward0": (
+        "aten::_scaled_dot_product_efficient_attention_backward",
+        ("grad", "query", "key", "value", "attn_bias", "output", "log_sumexp", "philox_seed", "philox_offset",
+         "dropout_p", "grad_input_mask", "is_causal", "scale")),
+    "ScaledDotProductCudnnAttentionBackward0": (
+        "aten::_scaled_dot_product_cudnn_attention_backward",
+        ("grad", "query", "key", "value", "output", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+         "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale")),
+}
+
+
+def fused_node_backward(node, grad: torch.Tensor, grad_input_mask: Tuple[bool, ...]) -> Tuple[Any, tuple]:
+    """(backward op, positional arguments) of the call the fused SDPA ``node`` makes for ``grad``: its formula's
+    arguments read from the node's saved fields."""
+    name = type(node).__name__
+    if name not in FUSED_NODE_FORMULAS:
+        raise CompatError(f"{name} is not a fused SDPA node this version knows (checked on torch 2.11, 2.13)")
+    qualname, fields = FUSED_NODE_FORMULAS[name]
+    args = []
+    for f in fields:
+        if f == "grad":
+            args.append(grad)
+        elif f == "grad_input_mask":
+            args.append(list(grad_input_mask))
+        else:
+            attr = "_saved_" + f
+            if not hasattr(node, attr):
+                raise CompatError(f"{name} has no {attr}: PyTorch changed the node's saved fields")
+            args.append(getattr(node, attr))
+    return op_overload(qualname), tuple(args)
 
 
 # ---- autograd: torch.func transforms, forward-mode AD, saved-tensor hooks, a node that raises when reached ----
@@ -219,35 +367,6 @@ def hf_registry_mapping(registry) -> dict:
     return mapping
 
 
-# ---- context parallel ---------------------------------------------------------------------------------------
-_CP_MODULES = ("torch.distributed.tensor.experimental._context_parallel._attention",
-               "torch.distributed.tensor.experimental._attention")
-
-
-def is_context_parallel_wrapper(fn) -> bool:
-    """True when ``fn`` is the SDPA wrapper ``torch.distributed.tensor.experimental.context_parallel`` installs
-    while its context is open (only modules already imported are asked: CP imported them if it is active)."""
-    import sys
-    for name in _CP_MODULES:
-        module = sys.modules.get(name)
-        replaced = getattr(module, "_replaced_functions", None) if module is not None else None
-        if isinstance(replaced, dict) and fn in replaced:
-            return True
-    return False
-
-
-# ---- TorchScript -------------------------------------------------------------------------------------------
-def register_torchscript_builtin(fn, op: str) -> None:
-    """Make TorchScript compile calls of the Python function ``fn`` as the aten op ``op`` (what it does for the
-    builtins it knows): scripted code that reaches ``fn`` through a module global (``F.multi_head_attention_forward``
-    calling the patched ``F.scaled_dot_product_attention``) runs the op instead of failing to compile ``fn``."""
-    try:
-        from torch.jit._builtins import _register_builtin
-    except ImportError as exc:
-        raise CompatError(f"torch.jit._builtins._register_builtin is gone ({exc})") from exc
-    _register_builtin(fn, op)
-
-
 # ---- Dynamo -------------------------------------------------------------------------------------------------
 def dynamo_module_name() -> str:
     """The name of the module ``torch.compile`` imports first (``torch._dynamo``): a hook that must be in place
@@ -255,137 +374,3 @@ def dynamo_module_name() -> str:
     return "torch._dynamo"
 
 
-# ---- SDPA's fused ops as its own composite calls them (the compiled SDPA hook) -----------------------------
-# Touch-points, checked against torch 2.13 (CPU: the flash-for-CPU op, tests/hooks/test_compiled_fused.py) and
-# 2.11 (H200: flash, efficient, cuDNN; that file's CUDA tests): the kernel of ``aten.scaled_dot_product_attention``
-# (``OpOverload.decompose``: the composite that chooses the backend, converts a boolean mask, pads head dims);
-# ``torch.utils._python_dispatch.TorchDispatchMode`` (to see the fused op that composite calls); the aten ops
-# ``_scaled_dot_product_{flash_attention, flash_attention_for_cpu, efficient_attention, cudnn_attention}`` (their
-# argument names, the positions of their outputs) and their ``_backward`` ops (argument names).
-
-
-@dataclass(frozen=True)
-class FusedSdpaOp:
-    """One fused SDPA forward op: its backward op, the ``SDPBackend`` member that selects it, and the positions
-    of its outputs beyond (output, logsumexp): the dropout RNG state, and (cum_seq_q, cum_seq_k, max_q, max_k)."""
-    backward: str
-    backend: str
-    rng: Tuple[int, ...]
-    seqlens: Tuple[int, ...]
-
-
-#: the fused forward ops SDPA's composite calls (aten names), each with what its backward needs
-SDPA_FUSED_OPS = MappingProxyType({
-    "_scaled_dot_product_flash_attention_for_cpu": FusedSdpaOp(
-        "_scaled_dot_product_flash_attention_for_cpu_backward", "FLASH_ATTENTION", (), ()),
-    "_scaled_dot_product_flash_attention": FusedSdpaOp(
-        "_scaled_dot_product_flash_attention_backward", "FLASH_ATTENTION", (6, 7), (2, 3, 4, 5)),
-    "_scaled_dot_product_efficient_attention": FusedSdpaOp(
-        "_scaled_dot_product_efficient_attention_backward", "EFFICIENT_ATTENTION", (2, 3), ()),
-    "_scaled_dot_product_cudnn_attention": FusedSdpaOp(
-        "_scaled_dot_product_cudnn_attention_backward", "CUDNN_ATTENTION", (6, 7), (2, 3, 4, 5)),
-})
-#: backward-argument names that take a forward's value under another name
-_SDPA_BACKWARD_ALIASES = MappingProxyType({"grad_out_": "grad_out", "attn_mask": "attn_bias",
-                                           "philox_seed": "rng_0", "philox_offset": "rng_1"})
-
-
-@dataclass(frozen=True, eq=False)
-class FusedSdpaCall:
-    """The fused op one SDPA call ran: its aten name, its arguments by schema name (tensors included; the query
-    alias the capture made is given back as the caller's query) and its outputs (empty when not run)."""
-    op: str
-    args: Dict[str, Any]
-    outputs: Tuple[Any, ...]
-
-
-class _StopAtFused(Exception):
-    """Raised by the capture at the fused op when only its arguments are wanted."""
-
-
-@functools.lru_cache(maxsize=16)  # bounded: one entry per fused op overload (four)
-def _schema_of(func) -> Tuple[Tuple[str, ...], Tuple[Tuple[str, Any], ...]]:
-    """(argument names, (name, default) of the arguments with one) of an op overload's schema."""
-    arguments = func._schema.arguments
-    return tuple(a.name for a in arguments), tuple((a.name, a.default_value) for a in arguments
-                                                    if a.has_default_value())
-
-
-def _bound_args(func, args, kwargs) -> Dict[str, Any]:
-    names, defaults = _schema_of(func)
-    bound = dict(defaults)
-    bound.update(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-@functools.lru_cache(maxsize=1)  # bounded: one class, made on first use
-def _fused_capture_class():
-    """The dispatch mode that passes every op through and records the first fused SDPA op (``SDPA_FUSED_OPS``)
-    with its arguments (``torch.utils._python_dispatch`` imported on first use, not while this module loads)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class FusedCapture(TorchDispatchMode):
-        def __init__(self, stop: bool):
-            super().__init__()
-            self.stop, self.call = stop, None
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            name = func.overloadpacket.__name__
-            if self.call is not None or func.namespace != "aten" or name not in SDPA_FUSED_OPS:
-                return func(*args, **kwargs)
-            bound = _bound_args(func, args, kwargs)
-            if self.stop:
-                self.call = FusedSdpaCall(name, bound, ())
-                raise _StopAtFused
-            out = func(*args, **kwargs)
-            self.call = FusedSdpaCall(name, bound, tuple(out))
-            return out
-    return FusedCapture
-
-
-def sdpa_fused_call(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool, *, stop: bool = False,
-                    backend: Optional[str] = None):
-    """(output, FusedSdpaCall or None): torch's own SDPA composite run on these inputs as a training call runs
-    (grad mode on, a query that requires grad: the backend choice and the LSE of the unpatched compiled call's
-    joint graph, and what the ``sdpa_kernel`` flags in force allow), with the fused op it called (None: the math
-    backend). ``stop``: the fused op is not run (output None; its arguments, e.g. the mask's bias, are wanted);
-    ``backend``: only that ``SDPBackend`` member enabled. Dropout is 0 (the hook passes dropout through)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    qa = q.detach().requires_grad_()
-    capture = _fused_capture_class()(stop)
-    only = sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext()
-    out = None
-    with torch.enable_grad(), only, capture:
-        try:
-            out = torch.ops.aten.scaled_dot_product_attention.default.decompose(
-                qa, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
-        except _StopAtFused:
-            pass
-    if out is NotImplemented:
-        raise CompatError("aten.scaled_dot_product_attention has no composite kernel (checked on torch 2.11, 2.13)")
-    call = capture.call
-    if call is not None and call.args.get("query") is qa:
-        call.args["query"] = q
-    return out, call
-
-
-def sdpa_fused_backward(op: str, tensors: Dict[str, Any], scalars: Dict[str, Any]):
-    """(dq, dk, dv) of the fused op ``op``'s own backward, its arguments taken by name from ``tensors``
-    (grad_out, query, key, value, out, logsumexp, attn_bias, rng_0/rng_1: the forward's RNG state, cum_seq_q,
-    cum_seq_k) and ``scalars`` (max_q, max_k, dropout_p, is_causal, scale); ``grad_input_mask`` (efficient):
-    q, k, v, and not the bias (a mask that requires grad never takes this path)."""
-    func = getattr(torch.ops.aten, SDPA_FUSED_OPS[op].backward).default
-    given = dict(tensors, **scalars, grad_input_mask=[True, True, True, False])
-    args, kwargs = [], {}
-    for a in func._schema.arguments:
-        key = _SDPA_BACKWARD_ALIASES.get(a.name, a.name)
-        if key not in given:
-            raise CompatError(f"{func} takes {a.name!r}, which its forward does not give (checked on torch 2.11, "
-                              "2.13)")
-        if a.kwarg_only:
-            kwargs[a.name] = given[key]
-        else:
-            args.append(given[key])
-    return tuple(func(*args, **kwargs)[:3])

@@ -8,6 +8,11 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+#: the names ``compat`` re-exports (``compat.NAME``)
+__all__ = ['load_interpreted_module', 'triton_interpreter_index_patch', 'GLUON_CHECKED_TRITON',
+           'gluon_unsupported_reason', 'LAUNCHER_CHECKED_TRITON', 'compiled_launcher', 'launch_hooks_set',
+           'current_cuda_stream']
+
 # ---- Triton's interpreter ----------------------------------------------------------------------------------
 def load_interpreted_module(name: str, path: str, interpret: bool):
     """The Python file ``path`` loaded as module ``name`` with Triton's interpreter on (``interpret``) or off:

@@ -1,0 +1,236 @@
+"""The SDPA seam (``integrations/sdpa.py``): the corrected backward is the autograd-level kernel of SDPA's fused
+backward ops, so every caller is reached, the forward runs no package code, and ``disable()`` gives PyTorch's
+kernels back. CPU: the seam sits on ``aten::_scaled_dot_product_flash_attention_for_cpu_backward``; the CUDA ops
+are exercised in ``test_gpu_integration.py``.
+"""
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gproj_patch
+from gproj_patch.backends.reference import reference_backward
+from gproj_patch.integrations import sdpa as seam
+from tests.helpers.numerics import rel
+
+pytestmark = pytest.mark.usefixtures("patch_off")
+
+BF16_TOL = 4 * 2.0 ** -8
+
+
+def _inputs(offset=64.0, B=1, H=2, S=48, D=32, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=g).to(dtype).requires_grad_()
+    k = (torch.randn(B, H, S, D, generator=g) + offset).to(dtype).requires_grad_()
+    v = torch.randn(B, H, S, D, generator=g).to(dtype).requires_grad_()
+    do = torch.randn(B, H, S, D, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _dq(fn, q, k, v, do):
+    q.grad = k.grad = v.grad = None
+    fn(q, k, v).backward(do)
+    return q.grad.clone()
+
+
+def _ref(q, k, v, do, **mask):
+    return reference_backward(q.detach(), k.detach(), v.detach(), do, **mask)
+
+
+from torch.nn.functional import scaled_dot_product_attention as early_bound  # noqa: E402 - bound at import
+
+
+def _default_argument(q, k, v, fn=F.scaled_dot_product_attention):
+    return fn(q, k, v, is_causal=True)
+
+
+CALLERS = {
+    "F.scaled_dot_product_attention": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    "bound at import": lambda q, k, v: early_bound(q, k, v, is_causal=True),
+    "default argument": _default_argument,
+    "torch._C._nn builtin": lambda q, k, v: torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("caller", list(CALLERS))
+def test_every_binding_is_reached_and_corrected(caller):
+    """A name bound before ``enable()`` and a default argument hold the same builtin: the seam is below them
+    all. Unpatched the 64σ key offset leaks into dq; patched, dq is at BF16 accuracy."""
+    fn = CALLERS[caller]
+    q, k, v, do = _inputs()
+    ref = _ref(q, k, v, do, causal=True)[0]
+    unpatched = rel(_dq(fn, q, k, v, do), ref)
+    gproj_patch.enable(targets=("sdpa",))
+    patched = rel(_dq(fn, q, k, v, do), ref)
+    assert unpatched > 0.05 and patched < BF16_TOL, (unpatched, patched)
+    assert gproj_patch.stats()["fp32"] == 1
+
+
+def test_disable_gives_pytorchs_kernel_back_bitwise():
+    q, k, v, do = _inputs()
+    fn = CALLERS["F.scaled_dot_product_attention"]
+    before = _dq(fn, q, k, v, do)
+    with gproj_patch.enable(targets=("sdpa",)):
+        assert seam.is_installed() and seam.seam_ops()
+        assert not torch.equal(_dq(fn, q, k, v, do), before)
+    assert not seam.is_installed() and seam.seam_ops() == []
+    assert torch.equal(_dq(fn, q, k, v, do), before)
+
+
+def test_enable_twice_and_disable_twice():
+    gproj_patch.enable(targets=("sdpa",))
+    ops = seam.seam_ops()
+    gproj_patch.enable(targets=("sdpa",))
+    assert seam.seam_ops() == ops
+    gproj_patch.disable()
+    gproj_patch.disable()
+    assert not seam.is_installed()
+
+
+def test_the_forward_runs_no_package_code():
+    """No Python of this package runs in an SDPA forward (profiled: no frame of ``gproj_patch`` is entered),
+    and its output is the unpatched output bit for bit."""
+    q, k, v, _ = _inputs()
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    gproj_patch.enable(targets=("sdpa",))
+    entered = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "gproj_patch" in frame.f_code.co_filename:
+            entered.append(frame.f_code.co_name)
+    sys.setprofile(profile)
+    try:
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        sys.setprofile(None)
+    assert entered == [] and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_graph_is_reached_compiles_once(backend):
+    """The compiled backward calls the aten op at run time: corrected, one graph, no recompile over calls."""
+    pytest.importorskip("triton") if backend == "inductor" else None
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    gproj_patch.enable(targets=("sdpa",))
+    fn = torch.compile(CALLERS["F.scaled_dot_product_attention"], backend=backend, fullgraph=True)
+    q, k, v, do = _inputs()
+    ref = _ref(q, k, v, do, causal=True)[0]
+    for _ in range(3):
+        assert rel(_dq(fn, q, k, v, do), ref) < BF16_TOL
+    assert gproj_patch.stats()["fp32"] == 3
+    assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
+    torch._dynamo.reset()
+
+
+def test_multihead_attention_and_transformer_encoder_layer():
+    """Modules that call SDPA from inside torch: ``nn.MultiheadAttention`` (need_weights=False) and
+    ``nn.TransformerEncoderLayer`` in training (dropout 0) reach the seam."""
+    gproj_patch.enable(targets=("sdpa",))
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.bfloat16)
+    x = torch.randn(2, 10, 32, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = mha(x, x, x, need_weights=False)
+    out.float().sum().backward()
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, dtype=torch.bfloat16)
+    layer(x).float().sum().backward()
+    assert gproj_patch.stats()["fp32"] == 2
+
+
+def test_dropout_passes_through_quietly_and_counted(caplog):
+    """dropout > 0 cannot be corrected (the fused kernel's dropout mask cannot be replayed): PyTorch's backward
+    as it is, the reason counted and logged at DEBUG only. (On CPU SDPA runs dropout on its math backend, which
+    has no fused backward op: the decision is driven here with the CPU op's arguments; the GPU test runs the
+    real fused dropout.)"""
+    from gproj_patch.runtime import config
+    q, k, v, do = _inputs()
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    b = seam.bind(op, (do, q.detach(), k.detach(), v.detach(), out, lse, 0.3, True), {})
+    sentinel = tuple(torch.full_like(t, 7.0) for t in (q, k, v))
+    got = seam.corrected(seam.spec_of(op), b, lambda: sentinel, config.resolve())
+    assert got is sentinel
+    s = gproj_patch.stats()
+    assert s["original"] == 1 and any("dropout" in r for r in s["fallback_reasons"])
+    assert not [r for r in caplog.records if r.name.startswith("gproj_patch") and r.levelname != "DEBUG"]
+
+
+def test_layer_scope_names_the_backward(monkeypatch):
+    """Without a forward record, a backward learns its layer from its autograd node: the named scope its
+    forward ran in; unnamed calls are ``sdpa{n}`` in backward order."""
+    gproj_patch.enable(mode="auto", targets=("sdpa",))
+    q, k, v, do = _inputs(offset=0.0)
+    with gproj_patch.layer_scope("blk0"):
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    b = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with gproj_patch.layer_scope("not me"):  # a scope open around the backward names nothing
+        (a + b).backward(torch.cat([do, do], 0)[:1])
+    assert set(gproj_patch.stats()["layers"]) == {"blk0", "sdpa0"}
+
+
+def test_steps_advance_per_backward_pass():
+    gproj_patch.enable(mode="auto", targets=("sdpa",))
+    q, k, v, do = _inputs(offset=0.0)
+    from gproj_patch import policy
+    steps = []
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, k, v).backward(do)
+        steps.append(policy.current_step())
+    assert steps == [0, 1, 2]
+
+
+def test_create_graph_gradients_raise_only_when_differentiated():
+    """create_graph=True: PyTorch's fused backward is not differentiable either; the corrected gradients are
+    usable, and a second backward through them raises a clear error instead of dropping a term silently."""
+    gproj_patch.enable(targets=("sdpa",))
+    q, k, v, do = _inputs()
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (gq,) = torch.autograd.grad(out, q, do, create_graph=True)
+    assert rel(gq, _ref(q, k, v, do, causal=True)[0]) < BF16_TOL
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        gq.float().sum().backward()
+
+
+def test_varlen_reader_on_cpu_through_the_decision():
+    """``torch_attn::_varlen_attn_backward``'s arguments ((total, H, D) tensors, the (H, total) LSE, cu_seq_*,
+    causal bottom-right per sequence) read, decided and returned in its layout: the seam's own function on
+    CPU tensors (the op itself runs on CUDA only; the GPU test calls ``varlen_attn``)."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    from gproj_patch.backends.reference import reference_forward
+    from gproj_patch.runtime import config
+    g = torch.Generator().manual_seed(4)
+    lens, H, D = (5, 11), 2, 16
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    T = sum(lens)
+    q, k, v, do = (torch.randn(T, H, D, generator=g).to(torch.bfloat16) for _ in range(4))
+    k = (k.float() + 32.0).to(torch.bfloat16)
+    four = lambda t: t.unsqueeze(0).transpose(1, 2).double()  # noqa: E731
+    out, lse = reference_forward(four(q), four(k), four(v), causal=True, causal_align="bottom_right",
+                                 cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out = out[0].transpose(0, 1).to(torch.bfloat16)
+    lse = lse[0].float()
+    op = torch.ops.torch_attn._varlen_attn_backward.default
+    spec = seam.spec_of(op)
+    b = seam.bind(op, (do, q, k, v, out, lse, cu, cu, max(lens), max(lens), True,
+                       torch.zeros(2, dtype=torch.uint64), None, None), {})
+    dq, dk, dv = seam.corrected(spec, b, lambda: pytest.fail("no original here"), config.resolve())
+    ref = reference_backward(four(q), four(k), four(v), four(do), causal=True, causal_align="bottom_right",
+                             cu_seqlens_q=cu, cu_seqlens_k=cu)
+    for got, want in zip((dq, dk, dv), ref):
+        assert got.shape == (T, H, D) and got.dtype == torch.bfloat16
+        assert rel(got.unsqueeze(0).transpose(1, 2), want) < BF16_TOL
+
+
+def test_output_strides_are_the_meta_kernels():
+    """A compiled graph reads the op's outputs with the strides of its meta kernel (CPU flash: (B, S, H, D)
+    order); the seam's gradients have exactly those, whatever layout the inputs had."""
+    gproj_patch.enable(targets=("sdpa",))
+    q, k, v, do = _inputs()
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    got = op(do, q.detach(), k.detach(), v.detach(), out, lse, 0.0, True)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in (do, q, k, v, out, lse)]
+        want = op(fakes[0], fakes[1], fakes[2], fakes[3], fakes[4], fakes[5], 0.0, True)
+    assert [g.stride() for g in got] == [w.stride() for w in want]
