@@ -121,8 +121,7 @@ def is_installed() -> bool:
 def _module_globals_holding(fn) -> List[str]:
     """"module.name" of every module global (torch's and this package's excepted) that holds ``fn``, HF's flex
     module excepted (its calls go through the registry entry hooked below)."""
-    from .sdpa import find_bound_names
-    return [f"{module_name}.{name}" for _, module_name, name in find_bound_names(fn)
+    return [f"{module_name}.{name}" for _, module_name, name in flex_reach.find_bound_names(fn)
             if module_name != "transformers.integrations.flex_attention"]
 
 

@@ -28,8 +28,11 @@ function (those keep the uncorrected backward), logged once by the caller.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+import operator
+import sys
 import types
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
@@ -130,3 +133,37 @@ def uninstall(fa_module: types.ModuleType, reach: Reach) -> bool:
     logger.warning("%s.__code__ was replaced after enable() (now %r); left as it is", ATTRIBUTE,
                    reach.function.__code__)
     return False
+
+
+# ---- module globals that hold a function ---------------------------------------------------------------------
+
+#: packages whose module globals are never reported: torch (defines the function; its internals hold it) and
+#: this package
+EXCLUDED_PACKAGES = frozenset(("torch", "gproj_patch"))
+
+
+def _namespace(module) -> Optional[dict]:
+    """A module's globals, read without running any ``__getattr__``/``__getattribute__`` of the object (None
+    for entries of ``sys.modules`` that are not modules)."""
+    if not issubclass(type(module), types.ModuleType):
+        return None
+    try:
+        namespace = object.__getattribute__(module, "__dict__")
+    except Exception:  # noqa: BLE001 - an exotic module without a namespace is skipped
+        return None
+    return namespace if type(namespace) is dict else None
+
+
+def find_bound_names(target) -> List[Tuple[types.ModuleType, str, str]]:
+    """(module, module name, attribute) of every global, outside ``EXCLUDED_PACKAGES``, that *is* ``target``.
+    One identity pass over each module's values (no equality, no import); modules without it are skipped."""
+    is_target = functools.partial(operator.is_, target)
+    hits = []
+    for module_name, module in list(sys.modules.items()):
+        if not isinstance(module_name, str) or module_name.partition(".")[0] in EXCLUDED_PACKAGES:
+            continue
+        namespace = _namespace(module)
+        if namespace is None or not any(map(is_target, list(namespace.values()))):
+            continue
+        hits.extend((module, module_name, name) for name, value in list(namespace.items()) if value is target)
+    return hits

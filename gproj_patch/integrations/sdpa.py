@@ -38,6 +38,7 @@ run before ``install()`` — is never handed to cuDNN: its calls take the correc
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -242,6 +243,12 @@ def bind(op, args: tuple, kwargs: dict) -> Dict[str, Any]:
     return bound
 
 
+def _enclosing_seq() -> Optional[int]:
+    """The sequence number of the backward node this one runs inside (a reentrant checkpoint's), or None."""
+    node = compat.enclosing_backward_node()
+    return None if node is None else compat.node_sequence_nr(node)
+
+
 def _restore(spec: SeamOp, b: Dict[str, Any], call: SeamCall, grads) -> tuple:
     """(dq, dk, dv[, extra]) of the shared layout as the op returns them: its dimension order, its meta kernel's
     strides (a compiled graph reads them so; copied only where they differ), its dtype, its arity."""
@@ -271,13 +278,17 @@ def pass_reason(call: SeamCall) -> Optional[str]:
         return "nested tensors"
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return "empty input"
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if ks[:3] != vs[:3] or qs[3] != ks[3] or qs[0] != ks[0] or qs[1] % ks[1] != 0:
+        # PyTorch's kernels do not all check this; their own backward is what the caller gets without the patch
+        return "q, k, v disagree in batch, heads, key count or head dim (PyTorch's kernel decides)"
+    if not (q.dtype == k.dtype == v.dtype == call.do.dtype):
+        return "q, k, v differ in dtype (PyTorch's kernel decides)"
     if q.is_cuda and torch.are_deterministic_algorithms_enabled():
         return ("torch.use_deterministic_algorithms is on: the original runs its own determinism check (PyTorch's "
                 "fused backwards warn or raise there)")
     if call.mask is not None and call.causal:
         return "attn_mask together with is_causal (the original decides what that means)"
-    if compat.functorch_transform_active():
-        return "a torch.func transform (grad, vmap, jvp, ...) is active"
     return None
 
 
@@ -296,9 +307,18 @@ def _mask_problem(call: SeamCall) -> Tuple[Optional[Tensor], bool, str, Tuple[in
 
 def _problem(call: SeamCall) -> Problem:
     mask, causal, align, window = _mask_problem(call)
+    if mask is None and call.cu_seqlens_q is None and type(call.scale) is float:
+        return _flags_problem(call.scale, causal, align, tuple(window))
     return Problem(scale=call.scale, causal=causal, causal_align=align, window=window, attn_mask=mask,
                    padded=mask is not None and mask.dtype == torch.bool, cu_seqlens_q=call.cu_seqlens_q,
                    cu_seqlens_k=call.cu_seqlens_k, max_seqlen_q=call.max_q, max_seqlen_k=call.max_k)
+
+
+@functools.lru_cache(maxsize=256)  # bounded: one entry per (scale, flags) in use
+def _flags_problem(scale: float, causal: bool, align: str, window: Tuple[int, int]) -> Problem:
+    """The problem of a call without a mask tensor or varlen offsets, one frozen instance per (scale, flags)
+    (pure: immutable key and value, no tensor): calls share it instead of building 14 fields each time."""
+    return Problem(scale=scale, causal=causal, causal_align=align, window=window)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -321,7 +341,7 @@ def corrected(spec: SeamOp, b: Dict[str, Any], original: Callable[[], tuple], cf
         q = call.q if call is not None else b["query"]
         telemetry.record_pass_through(f"{source}: {reason}", telemetry.shape_class(source, q, None))
         return original()
-    STATE.backward_pass(compat.graph_task_id())
+    STATE.backward_pass(compat.graph_task_id(), _enclosing_seq)
     layer = backward_layer(node) or STATE.next_backward_call_name()
     context = make_context(source, layer, cfg, at_backward=True)
     record = make_plan(CallRecord(_problem(call), context),
@@ -404,11 +424,20 @@ def _kernel(spec: SeamOp, op) -> Callable:
 
 def _backward(spec: SeamOp, op, keyset, args: tuple, kwargs: dict):
     cfg = _config.active()
-    if cfg is None or cfg.mode == "off" or compat.dispatch_mode_active():
-        # off, or traced (AOTAutograd, FakeTensorMode, ...): exactly PyTorch's kernel
+    if cfg is None or cfg.mode == "off" or compat.dispatch_mode_active() or _PASSING.depth:
+        # off; traced (AOTAutograd, FakeTensorMode, ...); or a call made while the seam passes a torch.func
+        # call through (functorch re-runs the op on the level below): exactly PyTorch's kernel
         return compat.redispatch_native(op, keyset, args, kwargs)
+    if compat.functorch_transform_active():
+        # a torch.func transform (grad, vjp, vmap, ...): its wrapped tensors and higher-order autograd are
+        # PyTorch's business; the op it re-dispatches on the level below is part of this call
+        _PASSING.depth += 1
+        try:
+            return compat.redispatch_native(op, keyset, args, kwargs)
+        finally:
+            _PASSING.depth -= 1
     tensors = [a for a in args if isinstance(a, Tensor)] + [a for a in kwargs.values() if isinstance(a, Tensor)]
-    if any(type(t) not in _PLAIN for t in tensors):
+    if any(type(t) not in _PLAIN and compat.dispatches_itself(type(t)) for t in tensors):
         if any(_is_tracing(t) for t in tensors):
             return compat.redispatch_native(op, keyset, args, kwargs)
         return compat.redispatch_reentrant(op, keyset, args, kwargs)  # DTensor: its local calls come back here
@@ -425,6 +454,14 @@ def _backward(spec: SeamOp, op, keyset, args: tuple, kwargs: dict):
         # a second backward reaches them (a clear error, not a silently missing term)
         return tuple(compat.delayed_error(SECOND_ORDER_ERROR, tuple(outputs)))
     return outputs
+
+
+class _Passing(threading.local):
+    """Per thread: how deep the seam is in passing a torch.func call through (its nested calls pass too)."""
+    depth = 0
+
+
+_PASSING = _Passing()
 
 
 def _is_tracing(t: Tensor) -> bool:

@@ -63,13 +63,15 @@ def _named(name: str) -> Iterator[str]:
     while another is open is not recorded as a span: the outer one names them (the same rule as for forwards)."""
     outer = _current.get() is not None
     token = _current.set(name)
-    start = None if outer else _sequence_nr()
+    thread = threading.get_ident()
+    if not outer:
+        STATE.spans.enter(thread, _sequence_nr(), name)
     try:
         yield name
     finally:
         _current.reset(token)
-        if start is not None:
-            STATE.spans.add(threading.get_ident(), start, _sequence_nr(), name)
+        if not outer:
+            STATE.spans.exit(thread, _sequence_nr())
 
 
 def layer_scope(name: str):

@@ -1,8 +1,9 @@
 """SDPA with the corrected backward whether or not the patch is enabled: ``gproj_patch.attention`` and HF's
 ``"gproj"`` attention.
 
-Enabled: the call *is* ``F.scaled_dot_product_attention``; the seam (``integrations/sdpa.py``) corrects its
-backward. Not enabled: ``_Attention`` runs SDPA on detached aliases that require grad (PyTorch picks and runs
+With the SDPA seam installed (``enable()`` with the ``sdpa`` target): the call *is*
+``F.scaled_dot_product_attention``; the seam (``integrations/sdpa.py``) corrects its backward. Otherwise:
+``_Attention`` runs SDPA on detached aliases that require grad (PyTorch picks and runs
 its own fused kernel: the same output bits) and, in its backward, gives the fused node's own backward call — the
 op and the arguments autograd would pass it (``compat.fused_node_backward``) — to the seam's ``corrected``: the
 same decision, made in one place. PyTorch's backward ("original") is that op run below autograd. The gradients
@@ -78,18 +79,18 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     """SDPA's semantics with the corrected backward, enabled or not. ``cfg``: the options when the patch is not
     enabled (else the environment's); ``layer`` names the call for the ``auto`` policy when no ``layer_scope`` is
     open; ``source`` labels its reasons (HF's ``"gproj"`` attention: ``"hf_gproj"``)."""
-    if layer is None:
+    if layer is None or torch.compiler.is_compiling():  # traced: no per-call scope (backward-order names)
         return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cfg, source)
     with layer_scope(layer):
         return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cfg, source)
 
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cfg, source):
-    active = _config.active()
+    from ..integrations.sdpa import is_installed
     args = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    cfg = active or cfg or _config.Config()
-    if active is not None or not _needs_correction(query, key, value, cfg.mode):
-        return F.scaled_dot_product_attention(query, key, value, **args)  # enabled: the seam corrects it
+    cfg = _config.active() or cfg or _config.Config()
+    if is_installed() or not _needs_correction(query, key, value, cfg.mode):
+        return F.scaled_dot_product_attention(query, key, value, **args)  # the seam (when installed) corrects it
     plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (query, key, value, attn_mask)
                 if t is not None)
     reason = None if plain else "a tensor subclass (it dispatches SDPA itself)"

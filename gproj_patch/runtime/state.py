@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter, OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
 #: compiled forwards whose (context, plan) is kept for their backward: a bound far above the attention calls
@@ -62,6 +62,17 @@ class LayerSpans:
 
     def __init__(self) -> None:
         self.by_thread: "OrderedDict[int, Tuple[List[int], List[int], List[str]]]" = OrderedDict()
+        # each thread's outermost scope still open: (start, name); a backward run inside it (``loss.backward()``
+        # within the scope) must find the nodes made so far
+        self.open: Dict[int, Tuple[int, str]] = {}
+
+    def enter(self, thread: int, start: int, name: str) -> None:
+        self.open[thread] = (start, name)
+
+    def exit(self, thread: int, end: int) -> None:
+        opened = self.open.pop(thread, None)
+        if opened is not None:
+            self.add(thread, opened[0], end, opened[1])
 
     def add(self, thread: int, start: int, end: int, name: str) -> None:
         if end <= start:  # no node was made inside: nothing to name
@@ -86,7 +97,8 @@ class LayerSpans:
         return names[i] if i >= 0 and seq < ends[i] else None
 
     def find(self, seq: int, thread: int) -> Optional[str]:
-        """The name of the span holding ``seq`` (this thread's first), or None."""
+        """The name of the span holding ``seq`` — closed spans first, then open scopes; this thread's before the
+        others', whose match counts only when it is the only one — or None."""
         own = self.by_thread.get(thread)
         if own is not None:
             name = self._find(own, seq)
@@ -94,10 +106,17 @@ class LayerSpans:
                 return name
         found = {self._find(entry, seq) for t, entry in list(self.by_thread.items()) if t != thread}
         found.discard(None)
+        if found:
+            return found.pop() if len(found) == 1 else None
+        opened = self.open.get(thread)
+        if opened is not None and opened[0] <= seq:
+            return opened[1]
+        found = {name for t, (start, name) in list(self.open.items()) if t != thread and start <= seq}
         return found.pop() if len(found) == 1 else None
 
     def clear(self) -> None:
         self.by_thread.clear()
+        self.open.clear()
 
 
 class RuntimeState:
@@ -138,6 +157,7 @@ class RuntimeState:
             # the SDPA seam, which sees only backwards: the graph task of its last call, whether a hooked forward
             # began the current step (then the next backward pass belongs to it), its unnamed calls' numbering
             self.backward_task: Optional[int] = None
+            self.enclosing_seq: Optional[int] = None  # the enclosing backward's node of the last nested pass
             self.step_from_forward = False
             self.backward_call_index = 0
             # layer names of named forward scopes, for backwards without a forward record (layers/scope.py)
@@ -197,10 +217,16 @@ class RuntimeState:
                     self.step_from_forward = True
         self.forward_task = task
 
-    def backward_pass(self, task: int) -> None:
-        """Every seam backward calls this with its autograd graph task: the first call of a new backward pass
-        starts a new step — unless a hooked forward already started one since the last pass (a model that mixes
-        SDPA with FA4/HF-eager calls advances once). The first pass of the process (or after a reset) is step 0."""
+    def backward_pass(self, task: int, outer: Callable[[], Optional[int]]) -> None:
+        """Every seam backward calls this with its autograd graph task; the first call of a new task starts a new
+        backward pass, and a new pass a new step — unless a hooked forward already started one since the last
+        pass (a model that mixes SDPA with FA4/HF-eager calls advances once). The first pass of the process (or
+        after a reset) is step 0.
+
+        A pass nested in another backward (a reentrant activation checkpoint runs one per block, inside the
+        step's backward: ``outer()`` is the sequence number of the enclosing backward's node, None when not
+        nested) belongs to the enclosing pass: the enclosing nodes of one backward run in decreasing sequence
+        order, while a new step's forward makes higher numbers — a higher one than the last is a new step."""
         if task == self.backward_task:
             return
         with self.lock:
@@ -208,6 +234,11 @@ class RuntimeState:
                 return
             first = self.backward_task is None
             self.backward_task = task
+            enclosing = outer()
+            if enclosing is not None:
+                last, self.enclosing_seq = self.enclosing_seq, enclosing
+                if last is not None and enclosing < last:
+                    return  # another block of the same enclosing backward
             self.backward_call_index = 0
             if self.step_from_forward or first:
                 self.step_from_forward = False

@@ -1,11 +1,13 @@
-"""What telemetry reports about a call (issue 19 item 6): the level of a fallback's log line, and the label of
-the HF ``"gproj"`` attention path.
+"""What telemetry reports about a call: the level of a reason's log line, and the label of HF's ``"gproj"``
+attention path.
 
 * On a CPU tensor the FP32 tier is the documented backward of mode ``gproj`` (the kernel runs on CUDA, on CPU
-  only in Triton's interpreter): its line is INFO, not a WARNING on every CPU run. A call left on the original,
-  uncorrected backward (dropout) still warns.
-* HF's ``attn_implementation="gproj"`` calls are labelled ``hf_gproj`` (reasons and shape class), not ``sdpa``:
-  they are not calls of ``F.scaled_dot_product_attention``.
+  only in Triton's interpreter): the plan gives it no reason, and nothing is logged.
+* A call passed to PyTorch's own backward because it cannot be corrected exactly (dropout > 0, ...) is counted
+  and logged at DEBUG: PyTorch's behaviour, not an alarm. A CUDA call that takes the slower FP32 tier where the
+  mode asked for the kernel is a WARNING.
+* HF's ``attn_implementation="gproj"`` without ``enable()`` labels its calls ``hf_gproj`` (reasons and shape
+  class); enabled, its calls are SDPA calls, reached and labelled by the seam.
 """
 from __future__ import annotations
 
@@ -16,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import gproj_patch
-
-CPU_REASON = "cpu tensor without GPROJ_TIER=triton/TRITON_INTERPRET=1"
+from gproj_patch.runtime import telemetry
 
 
 @pytest.fixture(autouse=True)
@@ -38,43 +39,54 @@ def _inputs(seed=0):
     return [torch.randn(1, 2, 16, 32, generator=g).bfloat16().requires_grad_() for _ in range(3)]
 
 
-def _lines(caplog, text):
-    return [r for r in caplog.records if r.name == "gproj_patch" and text in r.getMessage()]
+def _package_lines(caplog, min_level=logging.DEBUG):
+    return [r for r in caplog.records if r.name == "gproj_patch" and r.levelno >= min_level]
 
 
-def test_cpu_fp32_tier_is_info_and_uncorrected_calls_still_warn(caplog):
+def test_cpu_fp32_tier_is_no_fallback_and_pass_throughs_are_debug(caplog):
     q, k, v = _inputs()
     with gproj_patch.enable(mode="gproj", targets=("sdpa",)):
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        assert gproj_patch.stats()["fp32"] == 1
-        fp32_lines = _lines(caplog, CPU_REASON)
-        assert len(fp32_lines) == 1 and "-> fp32 tier for sdpa/cpu/bfloat16" in fp32_lines[0].getMessage()
-        assert fp32_lines[0].levelno == logging.INFO
-        assert not [r for r in caplog.records if r.name == "gproj_patch" and r.levelno >= logging.WARNING]
+        s = gproj_patch.stats()
+        assert s["fp32"] == 1 and s["fallback_reasons"] == {}, s
+        assert _package_lines(caplog) == []
+        # a pass-through (dropout > 0: the seam's decision, driven with the CPU op's arguments)
+        from gproj_patch.integrations import sdpa as seam
+        from gproj_patch.runtime import config
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        b = seam.bind(op, (torch.ones_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.5, True), {})
+        seam.corrected(seam.spec_of(op), b, lambda: (q, k, v), config.active())
+    lines = _package_lines(caplog)
+    assert len(lines) == 1 and "sdpa: dropout > 0" in lines[0].getMessage() and lines[0].levelno == logging.DEBUG
 
-        q2, k2, v2 = _inputs(1)  # dropout: the fused forward and its own backward, not corrected
-        F.scaled_dot_product_attention(q2, k2, v2, dropout_p=0.5).sum().backward()
-    dropout_lines = _lines(caplog, "sdpa: dropout > 0")
-    assert len(dropout_lines) == 1 and dropout_lines[0].levelno == logging.WARNING
+
+def test_a_cuda_call_off_the_kernel_warns():
+    """The level of a reason follows what it means: the FP32 tier on a CUDA tensor (slower than asked) warns,
+    on a CPU tensor it is INFO, a pass-through is DEBUG."""
+    assert telemetry._log_level("fp32", ("sdpa", "cuda", "bfloat16", 64, "mha")) == logging.WARNING
+    assert telemetry._log_level("fp32", ("sdpa", "cpu", "bfloat16", 64, "mha")) == logging.INFO
+    assert telemetry._log_level("original", ("sdpa", "cuda", "bfloat16", 64, "mha")) == logging.DEBUG
 
 
-def _hf_gproj_model(dropout: float):
+def _hf_gproj_model():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, attention_dropout=dropout)
+                                   num_attention_heads=2, num_key_value_heads=1)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="gproj", dtype=torch.bfloat16)
     return model.train()
 
 
-def test_hf_gproj_path_is_labelled_hf_gproj(caplog):
+def test_hf_gproj_path_is_labelled_hf_gproj_without_the_seam(monkeypatch, caplog):
+    """Without the SDPA seam (the ``sdpa`` target not enabled) the "gproj" attention runs its own corrected
+    backward, under its own label: a reason it meets (bf16 asked to run the kernel in Triton's interpreter,
+    inexact there) is logged for the shape class ``hf_gproj/...``."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
-    with gproj_patch.enable(mode="gproj", targets=("sdpa", "transformers")):
-        _hf_gproj_model(0.0)(ids, labels=ids).loss.backward()
-        _hf_gproj_model(0.5)(ids, labels=ids).loss.backward()
-        reasons = gproj_patch.stats()["fallback_reasons"]
-    assert reasons[CPU_REASON] == 1  # the layer's backward: FP32 tier on CPU
-    assert [r for r in reasons if "dropout" in r] == \
-        ["hf_gproj: dropout > 0 (the fused kernel's dropout mask cannot be replayed by another backward)"]
-    lines = [r.getMessage() for r in caplog.records if r.name == "gproj_patch" and " tier for " in r.getMessage()]
+    with gproj_patch.enable(targets=("transformers",)):
+        _hf_gproj_model()(ids, labels=ids).loss.backward()
+        s = gproj_patch.stats()
+    assert s["fp32"] == 1 and s["fallback_reasons"], s
+    lines = [r.getMessage() for r in _package_lines(caplog) if " tier for " in r.getMessage()]
     assert lines and all(" tier for hf_gproj/cpu/bfloat16/16/" in m for m in lines), lines

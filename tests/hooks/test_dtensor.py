@@ -1,9 +1,12 @@
-"""DTensor inputs are never silently wrong (issue 13, item 1): two gloo ranks on the CPU.
+"""DTensor inputs are never silently wrong: two gloo ranks on the CPU.
 
 SDPA calls with DTensor q/k/v — sharded on the head dim (tensor parallel) and on the sequence dim (what context
-parallel does) — take the original path with the reason counted and logged on every rank: forward and gradients
-bit for bit the unpatched DTensor ones, and within the unpatched BF16 path's own error of an fp64 reference of
-the *full* sequence (a gradient "corrected" from a local key shard would be off by ~100%).
+parallel does) — keep PyTorch's backward on every rank: forward and gradients bit for bit the unpatched DTensor
+ones, and within the unpatched BF16 path's own error of an fp64 reference of the *full* sequence (a gradient
+"corrected" from a local key shard would be off by ~100%). On the CPU DTensor SDPA runs on the math backend,
+which has no fused backward op: the seam is not reached at all. (On CUDA a DTensor call's fused backward op is
+redispatched by the seam so that DTensor's own local calls reach it, each a whole problem; the ring of context
+parallelism has its own corrected backward, ``integrations/context_parallel.py``.)
 
 What runs on the CPU in torch 2.13 (measured while writing this file):
 * DTensor SDPA runs only on the MATH backend (``sdpa_kernel(SDPBackend.MATH)``): DTensor has no sharding rule
@@ -38,7 +41,6 @@ CASES = {                # name: (placements of q, k, v; causal; dtype)
     "kv_seq": (("R", "S2", "S2"), False, torch.bfloat16),
     "seq_fp32": (("S2", "S2", "S2"), False, torch.float32),
 }
-REASON = "tensor subclass DTensor"
 
 
 # ---------------------------------------------------------------------------------------------- the worker --
@@ -256,21 +258,15 @@ def test_dtensor_gradients_against_fp64_of_the_full_sequence(ranks, references, 
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_dtensor_reason_counted_on_every_rank(ranks, name):
+def test_dtensor_calls_are_never_corrected_from_a_shard(ranks, name):
     for res in ranks:
         st = res["cases"][name]["stats"]
-        assert st["gproj"] == 0 and st["fp32"] == 0, (res["rank"], name, st)  # nothing "corrected" from a shard
-        dtensor = {r: n for r, n in st["fallback_reasons"].items() if REASON in r}
-        if CASES[name][2] == torch.float32:  # nothing to repair: the original path, no reason
-            assert not dtensor, st
-        else:
-            assert sum(dtensor.values()) == 1, (res["rank"], name, st)
-        assert st["forward"].get("patched", 0) == 0, st
+        assert st["gproj"] == 0 and st["fp32"] == 0, (res["rank"], name, st)
 
 
-def test_dtensor_reason_logged_on_every_rank(ranks):
+def test_nothing_alarming_is_logged_for_dtensor_calls(ranks):
     for res in ranks:
-        assert any(REASON in m and "original" in m for m in res["log"]), res["log"]
+        assert res["log"] == [], res["log"]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -290,7 +286,7 @@ def test_tensor_parallel_local_heads_get_the_corrected_backward(ranks, causal):
         assert torch.equal(out_p, out_u)
         st = run["stats"]
         assert st["fp32"] + st["gproj"] == 1 and st["original"] == 0, st
-        assert not any(REASON in r for r in st["fallback_reasons"]), st
+        assert st["fallback_reasons"] == {}, st
         for which, g_p, g_u, g_1, r in zip("qkv", grads_p, grads_u, single, ref):
             err, err_u, err_1 = _rel(g_p, r), _rel(g_u, r), _rel(g_1.grad, r)
             assert err <= err_u * 1.05 + 1e-4, (res["rank"], f"d{which}", err, err_u)
@@ -309,7 +305,6 @@ def test_context_parallel_enabled_first_takes_the_original_path(ranks, reference
             assert _within_own(_rel(g, ref), _rel(p, ref))
         st = cp["stats"]
         assert st["gproj"] == 0 and st["fp32"] == 0, st
-        assert any(REASON in r for r in st["fallback_reasons"]), st
 
 
 def test_context_parallel_enabled_inside_is_not_silently_wrong(ranks, references):

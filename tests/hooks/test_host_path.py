@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import gproj_patch
 from gproj_patch.dispatch import plan as plan_mod, router
 from gproj_patch.backends import triton_bwd
-from gproj_patch.ops import sdpa as sdpa_op
 from gproj_patch.runtime.state import STATE
 
 pytestmark = pytest.mark.usefixtures("patch_off")
@@ -122,7 +121,8 @@ def test_cpu_switch_is_resolved_at_enable_and_keys_the_cache(monkeypatch):
     _enable(mode="gproj")
     _call(torch.float16)
     assert ran == ["gproj", "gproj", "fp32"]
-    assert sorted(key[1] for key in STATE.kernel_reasons) == [False, True]
+    # without the switch a CPU call is planned on the FP32 tier without asking the kernel: one key, the switch's
+    assert sorted(key[1] for key in STATE.kernel_reasons) == [True]
 
 
 def test_threads_count_every_call(cached_cpu):
@@ -148,17 +148,24 @@ def test_threads_count_every_call(cached_cpu):
 
 
 def test_problem_shared_per_flags_and_fresh_with_a_mask():
-    q = torch.randn(1, 2, 8, 16)
-    a = sdpa_op.problem_for(q, q, None, True, None)
-    assert sdpa_op.problem_for(q, q, None, True, None) is a
+    """The seam's problem of a call without a mask is one frozen instance per (scale, flags) (host time); an exact
+    causal bias becomes those flags; any other mask a fresh problem holding it."""
+    from gproj_patch.integrations import sdpa as seam
+    q = torch.randn(1, 2, 8, 16).bfloat16()
+
+    def call(causal=False, mask=None, scale=16 ** -0.5):
+        return seam.SeamCall(do=q, q=q, k=q, v=q, out=q, lse=q[..., 0].float(), scale=scale, causal=causal,
+                             align="top_left", window=(-1, -1), mask=mask, dropout_p=0.0, bias_grad=False)
+    a = seam._problem(call(causal=True))
+    assert seam._problem(call(causal=True)) is a
     assert (a.scale, a.causal, a.attn_mask, a.padded) == (16 ** -0.5, True, None, False)
-    b = sdpa_op.problem_for(q, q, None, False, 0.5)
+    b = seam._problem(call(scale=0.5))
     assert b is not a and (b.scale, b.causal) == (0.5, False)
-    causal_mask = torch.ones(8, 8, dtype=torch.bool).tril()
-    assert sdpa_op.problem_for(q, q, causal_mask, False, None) is a  # an exact causal mask becomes the flags
+    bias = torch.zeros(8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
+    assert seam._problem(call(mask=bias)) is a  # SDPA's bias of an exact causal mask becomes the flags
     mask = torch.rand(8, 8) > 0.5
-    m = sdpa_op.problem_for(q, q, mask, False, None)
-    assert m.attn_mask is mask and m.padded and sdpa_op.problem_for(q, q, mask, False, None) is not m
+    m = seam._problem(call(mask=mask))
+    assert m.attn_mask is mask and m.padded and seam._problem(call(mask=mask)) is not m
 
 
 def test_lse_in_any_layout_reaches_the_tiers_as_b_h_s(monkeypatch):
@@ -167,7 +174,7 @@ def test_lse_in_any_layout_reaches_the_tiers_as_b_h_s(monkeypatch):
     monkeypatch.setattr(router, "_run_fp32", lambda t, p, o="auto": seen.append(t.lse) or (t.q * 0, t.k * 0, t.v * 0))
     q = torch.randn(2, 3, 5, 8)
     lse = torch.randn(2, 3, 5)
-    record = router.CallRecord(sdpa_op.problem_for(q, q, None, False, None),
+    record = router.CallRecord(router.Problem(scale=8 ** -0.5),
                                gproj_patch.dispatch.record.make_context("sdpa", "x", gproj_patch.runtime.config.resolve(mode="fp32")))
     record = plan_mod.make_plan(record, plan_mod.ForwardTensors(q, q, q, q, lse), has_original=False)
     for given in (lse, lse[..., None], torch.cat([lse, torch.zeros(2, 3, 27)], -1), lse.double()):

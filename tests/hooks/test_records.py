@@ -1,12 +1,14 @@
-"""The backward reads only what its forward recorded (issue 9.1, issue 8.6): options changed and disable() called
-between a forward and its backward change nothing for that call; a flash-attn call's layer is its forward's."""
+"""A call's backward reads only its record: for the hooks that record at the forward (flash-attn, FA4, HF eager,
+flex) options changed and disable() called between a forward and its backward change nothing for that call, and
+its layer is its forward's; the SDPA seam records in the backward op, with the options in force then and the layer
+its forward's named scope gave the autograd node."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import gproj_patch
 from gproj_patch import policy
-from gproj_patch.ops import sdpa as sdpa_op
+from gproj_patch.integrations import sdpa as seam
 
 from tests.helpers import fa4_standin
 
@@ -24,36 +26,23 @@ def _inputs(offset=0.0, seed=0, S=48, D=32):
 
 def _seen_records(monkeypatch):
     seen = []
-    real = sdpa_op.run_backward
-    monkeypatch.setattr(sdpa_op, "run_backward", lambda record, *a, **kw: seen.append(record) or real(record, *a, **kw))
+    real = seam.run_backward
+    monkeypatch.setattr(seam, "run_backward", lambda record, *a, **kw: seen.append(record) or real(record, *a, **kw))
     return seen
 
 
-def test_disable_between_forward_and_backward_changes_nothing(monkeypatch):
-    seen = _seen_records(monkeypatch)
-    q, k, v = _inputs(offset=64.0)
-    gproj_patch.enable(mode="fp32", targets=("sdpa",))
-    with gproj_patch.layer_scope("blk.7"):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    gproj_patch.disable()
-    gproj_patch.enable(mode="off", targets=("sdpa",))  # another configuration at backward time
-    out.float().sum().backward()
-    gproj_patch.disable()
-    (record,) = seen
-    assert (record.context.mode, record.context.layer, record.context.source) == ("fp32", "blk.7", "sdpa")
-    assert gproj_patch.stats()["fp32"] == 1 and gproj_patch.stats()["original"] == 0
-
-
-def test_policy_options_are_the_forwards(monkeypatch):
+def test_sdpa_record_is_made_in_the_backward_with_the_forwards_layer(monkeypatch):
+    """The seam's record: the options in force at the backward (``policy.configure`` after the forward applies),
+    the layer of the named scope the forward ran in (closed long before)."""
     seen = _seen_records(monkeypatch)
     q, k, v = _inputs()
     gproj_patch.enable(mode="auto", targets=("sdpa",), sample_every=3)
-    out = F.scaled_dot_product_attention(q, k, v)
-    policy.configure(sample_every=11)  # after the forward: not this call's
+    with gproj_patch.layer_scope("blk.7"):
+        out = F.scaled_dot_product_attention(q, k, v)
+    policy.configure(sample_every=11)
     out.float().sum().backward()
-    assert seen[0].context.policy.sample_every == 3
-    from gproj_patch.dispatch.record import make_context
-    assert make_context("sdpa").policy.sample_every == 11  # a call made now gets the new options
+    (record,) = seen
+    assert (record.context.layer, record.context.source, record.context.policy.sample_every) == ("blk.7", "sdpa", 11)
     policy.reset(keep_config=False)
 
 

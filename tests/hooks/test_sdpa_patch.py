@@ -1,4 +1,5 @@
-"""The SDPA hook: same forward bits, corrected backward, untouched original paths, documented limitations."""
+"""The SDPA hook (the dispatcher seam): same forward bits, corrected backward, untouched original paths,
+documented limitations."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from tests.helpers.numerics import rel as _rel
 
 
 def unpatched_sdpa(*args, **kwargs):
-    """The C builtin itself (a reference no hook reaches)."""
+    """SDPA's forward (the seam never changes it: the same call, patched or not)."""
     return torch._C._nn.scaled_dot_product_attention(*args, **kwargs)
 
 
@@ -109,20 +110,29 @@ def test_fp32_inputs_take_original_path_exactly():
     assert gproj_patch.stats()["forward"] == {}
 
 
-def test_sdpa_kernel_context_is_respected():
+def test_math_backend_is_not_reached():
+    """``sdpa_kernel(MATH)`` is respected, and the math backend has no fused backward op: its backward is
+    PyTorch's composite (in FP32 inside for BF16 inputs), bit for bit the unpatched one, not counted. (A known
+    limit of the seam: the README says so.)"""
     q, k, v, do = _inputs()
-    with sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        with torch.no_grad():
-            plain = unpatched_sdpa(q, k, v, is_causal=True)
-    assert torch.equal(out, plain)
-    out.backward(do)  # no LSE from the math backend: FP32 tier
-    assert gproj_patch.stats()["fp32"] == 1
+    grads = []
+    for patched in (True, False):
+        if not patched:
+            gproj_patch.disable()
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(do)
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        q.grad = k.grad = v.grad = None
+    assert all(torch.equal(a_, b_) for a_, b_ in zip(*grads))
+    s = gproj_patch.stats()
+    assert s["fp32"] == s["gproj"] == s["original"] == 0
 
 
-def test_dropout_keeps_the_fused_forward_and_its_backward():
-    """dropout > 0: the fused kernel's dropout mask cannot be replayed by another backward, so the call passes
-    through untouched — same forward bits and same gradients as without the patch — with the reason counted."""
+def test_dropout_keeps_the_forward_and_its_backward():
+    """dropout > 0 on CPU runs on the math backend (PyTorch's CPU flash op takes no dropout): the same forward
+    bits and gradients as without the patch. (On CUDA its fused op reaches the seam and is passed through,
+    counted: tests/hooks/test_gpu_integration.py.)"""
     q, k, v, do = _inputs()
     results = []
     for patched in (True, False):
@@ -135,26 +145,15 @@ def test_dropout_keeps_the_fused_forward_and_its_backward():
         q.grad = k.grad = v.grad = None
     for a_, b_ in zip(*results):
         assert torch.equal(a_, b_)
-    s = gproj_patch.stats()
-    assert s["fp32"] == s["gproj"] == 0 and s["forward"] == {"original": 1}
-    assert any("dropout" in r for r in s["fallback_reasons"])
 
-def test_builtin_itself_is_not_covered_but_attention_is():
-    """``torch._C._nn.scaled_dot_product_attention`` called as such keeps the original backward;
-    ``gproj_patch.attention`` (same signature) is corrected."""
+
+def test_three_d_inputs_take_the_math_backend_untouched():
+    """3-D inputs: SDPA takes its math backend on CPU (no fused op): PyTorch's own backward, not counted."""
     q, k, v, do = _inputs()
-    unpatched_sdpa(q, k, v).backward(do)
-    assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 0
-    gproj_patch.attention(q, k, v).backward(do)
-    assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 1
-
-
-def test_unsupported_layouts_fall_back_to_original_with_reason():
-    q, k, v, do = _inputs()
-    out = F.scaled_dot_product_attention(q[0], k[0], v[0])  # 3-D
+    out = F.scaled_dot_product_attention(q[0], k[0], v[0])
     out.backward(do[0])
     s = gproj_patch.stats()
-    assert s["fp32"] == 0 and any("4-D" in r for r in s["fallback_reasons"])
+    assert s["fp32"] == s["gproj"] == s["original"] == 0 and torch.isfinite(q.grad).all()
 
 
 def test_mask_as_flags():
@@ -269,8 +268,8 @@ def test_right_padding_runs_the_kernel_exactly(monkeypatch, window):
 
 
 def test_autocast_fp32_inputs_are_corrected_like_autocast_runs_them():
-    """Under autocast SDPA runs in BF16 from FP32 inputs (and leaks): the hook casts as autocast does, keeps
-    autocast's forward bits and corrects the backward; the gradients reach the FP32 leaves."""
+    """Under autocast SDPA runs in BF16 from FP32 inputs (and leaks): autocast's forward bits, the BF16 fused
+    backward op corrected by the seam; the gradients reach the FP32 leaves."""
     g = torch.Generator().manual_seed(7)
     q = torch.randn(1, 2, 64, 32, generator=g).requires_grad_()
     k = (torch.randn(1, 2, 64, 32, generator=g) + 64.0).requires_grad_()
@@ -287,6 +286,7 @@ def test_autocast_fp32_inputs_are_corrected_like_autocast_runs_them():
     assert q.grad.dtype == torch.float32
     assert _rel(q.grad, ref[0]) < 1e-2
     assert gproj_patch.stats()["fp32"] + gproj_patch.stats()["gproj"] == 1
+    gproj_patch.disable()
     qu, ku, vu = (t.detach().clone().requires_grad_() for t in (q, k, v))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         unpatched_sdpa(qu, ku, vu, is_causal=True).backward(do)

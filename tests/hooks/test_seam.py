@@ -234,3 +234,28 @@ def test_output_strides_are_the_meta_kernels():
         fakes = [mode.from_tensor(t) for t in (do, q, k, v, out, lse)]
         want = op(fakes[0], fakes[1], fakes[2], fakes[3], fakes[4], fakes[5], 0.0, True)
     assert [g.stride() for g in got] == [w.stride() for w in want]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_blocks_one_step_per_training_step(reentrant):
+    """Activation checkpointing: a reentrant checkpoint runs one nested backward per block inside the step's
+    backward; the seam counts them as one pass (one step per training step) and numbers the unnamed calls of
+    the step in backward order, the same every step."""
+    from torch.utils.checkpoint import checkpoint
+    from gproj_patch import policy
+    gproj_patch.enable(mode="auto", targets=("sdpa",), sample_every=1)
+    q, k, v, do = _inputs(offset=0.0)
+    lins = [torch.nn.Linear(32, 32).bfloat16() for _ in range(2)]
+
+    def block(x, lin):
+        return F.scaled_dot_product_attention(lin(x), k, v, is_causal=True)
+    steps = []
+    for _ in range(3):
+        x = q
+        for lin in lins:
+            x = checkpoint(block, x, lin, use_reentrant=reentrant)
+        x.backward(do)
+        steps.append(policy.current_step())
+    assert steps == [0, 1, 2]
+    layers = policy.stats()
+    assert sorted(layers) == ["sdpa0", "sdpa1"] and all(r["samples"] == 3 for r in layers.values()), layers

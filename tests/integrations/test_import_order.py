@@ -1,7 +1,7 @@
 """Issue 8 item 5: GPROJ_PATCH=1 start-up and the deferred "gproj" registration hold for any import order.
 
 The first half runs fresh interpreters with the real .pth (see tests/integrations/test_startup.py) and a different first statement
-each; every one must end with SDPA patched, the start-up state "enabled", and — where Transformers' modeling code
+each; every one must end with the SDPA seam installed, the start-up state "enabled", and — where Transformers' modeling code
 was imported — "gproj" registered. The second half checks the after-import mechanism itself
 (``gproj_patch.runtime.import_hooks``) in this process, on throw-away modules written to a temporary directory.
 """
@@ -24,7 +24,8 @@ was_imported = {m: m in sys.modules for m in ("torch", "transformers.modeling_ut
 import torch
 import torch.nn.functional as F
 import gproj_patch.integrations.startup as s
-patched = getattr(F.scaled_dot_product_attention, "__gproj_patched__", False)
+from gproj_patch.integrations import sdpa as seam
+patched = seam.is_installed()
 registered = None
 if "transformers.modeling_utils" in sys.modules:
     from transformers.modeling_utils import AttentionInterface

@@ -123,13 +123,14 @@ def test_install_and_uninstall_in_an_existing_directory(tmp_path, capsys):
 
 
 LOG_SCRIPT = """
-import logging
+import logging, os
 {setup}
 import torch, gproj_patch
-gproj_patch.enable(mode="gproj", targets="sdpa", log_level="INFO")  # INFO: the CPU fp32-tier line is INFO
+os.environ["TRITON_INTERPRET"] = "1"  # the kernel asked for on CPU: bf16 is inexact there, an INFO fp32-tier line
+gproj_patch.enable(mode="gproj", targets="sdpa", log_level="INFO")
 gproj_patch.enable(mode="fp32")  # already enabled: a warning
 q, k, v = (torch.randn(1, 2, 8, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-torch.nn.functional.scaled_dot_product_attention(q, k, v).float().sum().backward()  # CPU: an fp32-tier fallback
+torch.nn.functional.scaled_dot_product_attention(q, k, v).float().sum().backward()
 """
 
 

@@ -85,22 +85,17 @@ def test_explicit_kernel_is_checked(launch, interpreter):
 
 
 @by_launch
-def test_option_tl_is_recorded_at_forward_and_counted(launch, interpreter, monkeypatch):
-    """The option "tl" (its environment variable or ``enable``'s keyword) is part of the record made at the
-    forward: a backward that runs after the option changed still follows its forward; ``stats()`` counts each
-    launch's kernel with its reason (the other launch is tl on this CPU too), ``reset_stats()`` clears them, and
-    the gradients match the fp64 oracle."""
+def test_option_tl_is_in_the_plan_and_counted(launch, interpreter, monkeypatch):
+    """The option "tl" (its environment variable or ``enable``'s keyword) is part of the plan the SDPA seam makes
+    when the backward runs (options in force then); ``stats()`` counts each launch's kernel with its reason (the
+    other launch is tl on this CPU too), ``reset_stats()`` clears them, and the gradients match the fp64 oracle."""
     q, k, v, do = sdpa_fp16_causal()
-    gproj_patch.enable(mode="gproj", **{launch.option: "tl"})
-    try:
-        gproj_patch.reset_stats()
-        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        y = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-    finally:
-        gproj_patch.disable()
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    y = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
     monkeypatch.setenv(launch.env, "auto")
-    with gproj_patch.enable(mode="gproj"):
-        y.backward(do)  # the forward's record says tl
+    with gproj_patch.enable(mode="gproj", **{launch.option: "tl"}):  # the keyword wins over the variable
+        gproj_patch.reset_stats()
+        y.backward(do)
         s = gproj_patch.stats()
     reasons = s[f"{launch.option}_reasons"]
     assert s[launch.option] == {"tl": 1} and any(f"{launch.option}=tl" in r for r in reasons), s

@@ -15,8 +15,8 @@ __all__ = ['SDPA_FLASH_BACKWARD', 'SDPA_EFFICIENT_BACKWARD', 'SDPA_CUDNN_BACKWAR
            'FLASH_BACKWARD', 'EFFICIENT_BACKWARD', 'VARLEN_BACKWARD', 'VARLEN_MODULE', 'below_autograd',
            'assume_constant_result', 'FLEX_SLICED_MASK_MOD', 'flex_identity_score_mod', 'FUSED_SDPA_NODES',
            'fused_sdpa_node', 'fused_sdpa_lse', 'op_overload', 'autograd_library', 'register_autograd_kernel',
-           'destroy_library', 'redispatch_native', 'redispatch_reentrant', 'dispatch_mode_active',
-           'current_autograd_node', 'autograd_sequence_nr', 'node_sequence_nr', 'AUTOGRAD_THREAD_PREFIX', 'autograd_device_threads_started',
+           'destroy_library', 'redispatch_native', 'redispatch_reentrant', 'dispatches_itself', 'dispatch_mode_active',
+           'current_autograd_node', 'autograd_sequence_nr', 'node_sequence_nr', 'AUTOGRAD_THREAD_PREFIX', 'autograd_device_threads_started', 'enclosing_backward_node',
            'FUSED_NODE_FORMULAS',
            'fused_node_backward', 'functorch_transform_active', 'forward_ad_active', 'saved_tensors_hooks_enabled',
            'saved_tensors_default_hooks_active', 'graph_task_id', 'delayed_error', 'CUDAGRAPH_UNSAFE_TAGS',
@@ -147,6 +147,13 @@ def redispatch_reentrant(op, keyset, args, kwargs):
     return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
 
 
+def dispatches_itself(cls) -> bool:
+    """True for a tensor subclass with its own ``__torch_dispatch__`` (DTensor, FakeTensor, ...): a wrapper whose
+    values live elsewhere. A subclass without one (``nn.Parameter``, ``x.as_subclass(...)``) holds plain memory;
+    ``torch.Tensor``'s own is ``torch._C._disabled_torch_dispatch_impl``."""
+    return getattr(cls, "__torch_dispatch__", None) is not torch._C._disabled_torch_dispatch_impl
+
+
 def dispatch_mode_active() -> bool:
     """True while a ``TorchDispatchMode`` is on the stack (FakeTensorMode, AOTAutograd's tracing modes, ...)."""
     return torch._C._len_torch_dispatch_stack() > 0
@@ -190,6 +197,25 @@ def autograd_device_threads_started() -> Optional[bool]:
         except OSError:  # the thread ended while we looked
             continue
     return False
+
+
+#: the file and function of the Python frame that runs an autograd Function's backward (``BackwardCFunction.apply``)
+_FUNCTION_BACKWARD = ("torch/autograd/function.py", "apply")
+
+
+def enclosing_backward_node() -> Optional[Any]:
+    """The autograd node of an autograd Function whose backward is running on this thread's Python stack — the
+    backward this one was started from, as a reentrant activation checkpoint starts one per block — or None when
+    this backward is not nested in another. Checked: torch 2.11, 2.13 (``BackwardCFunction.apply(self, ...)``)."""
+    import sys
+    path, name = _FUNCTION_BACKWARD
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == name and code.co_filename.replace("\\", "/").endswith(path):
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
 
 
 #: each fused SDPA node: its backward op and the saved fields its formula passes, in the op's argument order
