@@ -70,7 +70,9 @@ BAD_SETTINGS = [
     ({"GPROJ_PATCH": "1", "GPROJ_DETECTOR_GRAPH": "maybe"}, "GPROJ_DETECTOR_GRAPH='maybe': expected a boolean"),
     ({"GPROJ_PATCH": "1", "GPROJ_MODE": "fast"}, "GPROJ_MODE must be one of gproj, fp32, off, auto, audit"),
     ({"GPROJ_PATCH": "1", "GPROJ_TARGETS": "nope"}, "GPROJ_TARGETS: unknown target(s) 'nope'; known: sdpa"),
-    ({"GPROJ_PATCH": "1", "GPROJ_SAMPLE_EVERY": "0"}, "GPROJ_SAMPLE_EVERY"),
+    ({"GPROJ_PATCH": "1", "GPROJ_SAMPLE_EVERY": "0"}, "GPROJ_SAMPLE_EVERY must be an integer >= 1; got 0"),
+    ({"GPROJ_PATCH": "1", "GPROJ_LOG_LEVEL": "-5"}, "GPROJ_LOG_LEVEL must be one of DEBUG, INFO, WARNING, WARN, "
+                                                    "ERROR, CRITICAL or an int >= 0; got '-5'"),
     ({"GPROJ_PATCH": "1", "GPROJ_AUTO_ENTER": "high"}, "GPROJ_AUTO_ENTER='high': expected a number"),
 ]
 
