@@ -115,8 +115,9 @@ class Handle:
 
 def enable(mode: Optional[str] = None, targets: Optional[Iterable[str]] = None, **options: Any) -> Handle:
     """Turn the patch on. Arguments override the environment (GPROJ_MODE, GPROJ_TARGETS, GPROJ_TIER,
-    GPROJ_KV_MAJOR, GPROJ_LOG_LEVEL and the policy's GPROJ_* variables, ``config.py``), which overrides the defaults (mode
-    "gproj", every target). Every option is validated here (ValueError naming it).
+    GPROJ_KV_MAJOR, GPROJ_DQ_MAJOR, GPROJ_LOG_LEVEL and the policy's GPROJ_* variables, ``config.ENV``), which
+    overrides the defaults (mode "gproj", every target). Every option is validated here (ValueError naming the
+    keyword or the variable that gave the bad value).
 
     Calling it again while enabled changes nothing and returns a non-owning handle.
     """

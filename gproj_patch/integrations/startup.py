@@ -6,11 +6,12 @@ at every interpreter start; the line costs one environment lookup unless ``GPROJ
 ``process_startup()``:
 
 * ``GPROJ_PATCH`` unset, empty or 0/false/no/off: nothing happens.
-* 1/true/yes/on: the other variables (``GPROJ_MODE``, ``GPROJ_TARGETS``, ``GPROJ_TIER``, ``GPROJ_LOG_LEVEL``,
-  ``GPROJ_DETERMINISTIC``, and the policy's ``GPROJ_SAMPLE_EVERY``, ``GPROJ_AUTO_ENTER``, ...) are checked at
-  once, then ``gproj_patch.enable()`` runs as soon as ``torch`` has been imported (right away if it already
-  is). Deferring to torch's import keeps every Python process that never touches torch (pip, the launcher's
-  helpers) fast, and means the patch is in place before any model code or ``torch.compile`` runs.
+* 1/true/yes/on: every other variable the patch reads (``config.ENV``: ``GPROJ_MODE``, ``GPROJ_TARGETS``,
+  ``GPROJ_TIER``, ``GPROJ_KV_MAJOR``, ``GPROJ_DQ_MAJOR``, ``GPROJ_LOG_LEVEL`` and the policy's
+  ``GPROJ_SAMPLE_EVERY``, ``GPROJ_AUTO_ENTER``, ...) is checked at once, then ``gproj_patch.enable()`` runs
+  as soon as ``torch`` has been imported (right away if it already is). Deferring to torch's import keeps
+  every Python process that never touches torch (pip, the launcher's helpers) fast, and means the patch is in
+  place before any model code or ``torch.compile`` runs.
 * Any other value, or a bad value of another variable: one line on stderr naming the variable and the values it
   accepts; the patch stays off and the program runs on (its exit status is its own). The same when
   ``enable()`` itself fails once torch is imported. A hook that runs in every Python process (pip, the
