@@ -140,7 +140,7 @@ def enable(mode: Optional[str] = None, targets: Optional[Iterable[str]] = None, 
                 installers[target].uninstall()
             raise
         previous_level = _logger.level
-        explicit = "log_level" in options or _config.ENV["log_level"] in os.environ
+        explicit = "log_level" in options or _config.env_gives("log_level")
         for var, why in _config.OBSOLETE_ENV.items():
             if var in os.environ:
                 _logger.warning("%s: %s", var, why)

@@ -234,9 +234,20 @@ def _pick_sourced(options, explicit, environ) -> Dict[str, Tuple[Any, str]]:
     for name, opt in options.items():
         if name in explicit:
             out[name] = (opt.parse(name, explicit[name]), name)
-        elif opt.env and (environ.get(opt.env, "") != "" or (opt.empty_is_value and opt.env in environ)):
+        elif _env_gives(opt, environ):
             out[name] = (opt.parse(opt.env, environ[opt.env]), opt.env)
     return out
+
+
+def _env_gives(opt: _Option, environ: Mapping[str, str]) -> bool:
+    """Whether the environment sets the option: an empty variable is unset unless empty is a value."""
+    return bool(opt.env) and (environ.get(opt.env, "") != "" or (opt.empty_is_value and opt.env in environ))
+
+
+def env_gives(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the environment sets option ``name`` (as ``resolve()`` reads it: GPROJ_LOG_LEVEL="" is unset)."""
+    opt = _CORE[name] if name in _CORE else _POLICY[name]
+    return _env_gives(opt, os.environ if environ is None else environ)
 
 
 def policy_options(environ: Optional[Mapping[str, str]] = None, **explicit) -> PolicyConfig:

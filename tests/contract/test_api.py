@@ -298,6 +298,13 @@ def test_enable_keeps_a_log_level_the_application_set(monkeypatch):
         with gproj_patch.enable(targets=("sdpa",), log_level="ERROR"):
             assert log.level == logging.ERROR
         assert log.level == logging.DEBUG
+        monkeypatch.setenv("GPROJ_LOG_LEVEL", "")  # empty: unset, as for every option resolve() reads
+        with gproj_patch.enable(targets=("sdpa",)):
+            assert log.level == logging.DEBUG
+        monkeypatch.setenv("GPROJ_LOG_LEVEL", "ERROR")
+        with gproj_patch.enable(targets=("sdpa",)):
+            assert log.level == logging.ERROR
+        assert log.level == logging.DEBUG
     finally:
         log.setLevel(before)
 
