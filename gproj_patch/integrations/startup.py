@@ -86,10 +86,10 @@ def _report(message: str) -> None:
         pass
 
 
-def _flag_text(environ) -> str:
+def _flag_text(raw: str) -> str:
     """``GPROJ_PATCH=<value>`` as it is set (quoted as a shell would need it), for messages that say why."""
-    import shlex
-    return f"{FLAG}={shlex.quote(environ.get(FLAG, ''))}"
+    import shlex  # only on the way to a message: the hook's success path stays lean
+    return f"{FLAG}={shlex.quote(raw)}"
 
 
 def flag_value(environ=None) -> bool:
@@ -126,14 +126,14 @@ def process_startup(environ=None) -> Optional[Any]:
         if not on:
             STATUS.state = "off"
             return None
-        flag = _flag_text(environ)
+        flag = environ.get(FLAG, "")
         try:
             check_environment(environ)
         except ValueError as exc:
-            _report(f"{flag} but the environment is invalid, so the patch stays off: {exc}")
+            _report(f"{_flag_text(flag)} but the environment is invalid, so the patch stays off: {exc}")
             return None
         except Exception as exc:  # noqa: BLE001 - a bug of this package must not stop the program either
-            _report(f"{flag} but checking the environment failed, so the patch stays off: "
+            _report(f"{_flag_text(flag)} but checking the environment failed, so the patch stays off: "
                     f"{type(exc).__name__}: {exc}")
             return None
         if "torch" in sys.modules:
@@ -146,13 +146,15 @@ def process_startup(environ=None) -> Optional[Any]:
 
 def _enable(flag: str):
     """enable() with the options of the environment as it is now (the program may have changed it since
-    start-up); runs right after ``import torch``, so a failure is reported, never raised into that import."""
+    start-up); runs right after ``import torch``, so a failure is reported, never raised into that import.
+    ``flag``: GPROJ_PATCH's value at start-up, for the message."""
     with _lock:
         try:
             from .. import patch
             handle = patch.enable()
         except Exception as exc:  # noqa: BLE001 - everything here is a start-up failure the user must see
-            _report(f"{flag} but gproj_patch.enable() failed, so the patch stays off: {type(exc).__name__}: {exc}")
+            _report(f"{_flag_text(flag)} but gproj_patch.enable() failed, so the patch stays off: "
+                    f"{type(exc).__name__}: {exc}")
             return None
         STATUS.state, STATUS.handle = "enabled", handle
         return handle
