@@ -14,13 +14,15 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["startup"]:  # its own parser, options passed through unchanged
+        # before the audit's import, which imports torch: checking the hook must not set it off (with
+        # GPROJ_PATCH=1 the hook enables the patch at torch's import) nor pay for torch
+        from .integrations import startup
+        return startup.main(argv[1:], prog="python -m gproj_patch startup")
     from .version import __version__
     from .audit import cli as audit
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["startup"]:  # its own parser, options passed through unchanged
-        from .integrations import startup
-        return startup.main(argv[1:])
     parser = audit.OneLineParser(prog="python -m gproj_patch",
                                      description="gproj_patch: correct BF16/FP16 attention gradients (GProj)")
     parser.add_argument("--version", action="version", version=f"gproj_patch {__version__}")

@@ -115,8 +115,9 @@ class Handle:
 
 def enable(mode: Optional[str] = None, targets: Optional[Iterable[str]] = None, **options: Any) -> Handle:
     """Turn the patch on. Arguments override the environment (GPROJ_MODE, GPROJ_TARGETS, GPROJ_TIER,
-    GPROJ_KV_MAJOR, GPROJ_LOG_LEVEL and the policy's GPROJ_* variables, ``config.py``), which overrides the defaults (mode
-    "gproj", every target). Every option is validated here (ValueError naming it).
+    GPROJ_KV_MAJOR, GPROJ_DQ_MAJOR, GPROJ_LOG_LEVEL and the policy's GPROJ_* variables, ``config.ENV``), which
+    overrides the defaults (mode "gproj", every target). Every option is validated here (ValueError naming the
+    keyword or the variable that gave the bad value).
 
     Calling it again while enabled changes nothing and returns a non-owning handle.
     """
@@ -139,7 +140,7 @@ def enable(mode: Optional[str] = None, targets: Optional[Iterable[str]] = None, 
                 installers[target].uninstall()
             raise
         previous_level = _logger.level
-        explicit = "log_level" in options or _config.ENV["log_level"] in os.environ
+        explicit = "log_level" in options or _config.env_gives("log_level")
         for var, why in _config.OBSOLETE_ENV.items():
             if var in os.environ:
                 _logger.warning("%s: %s", var, why)

@@ -40,7 +40,9 @@ from .record import CallRecord, Problem
 from ..runtime.state import STATE
 
 TIERS = ("gproj", "fp32", "original")
-TRITON_REFUSED = "GPROJ_TIER=triton but the GProj kernel cannot run: "
+#: the refusal of tier "triton": the plan sees the resolved option, not whether a keyword (enable(),
+#: GProjCallback) or the variable set it, so the message names both
+TRITON_REFUSED = 'tier="triton" (as a keyword or GPROJ_TIER=triton) but the GProj kernel cannot run: '
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,17 @@ at every interpreter start; the line costs one environment lookup unless ``GPROJ
 ``process_startup()``:
 
 * ``GPROJ_PATCH`` unset, empty or 0/false/no/off: nothing happens.
-* 1/true/yes/on: the other variables (``GPROJ_MODE``, ``GPROJ_TARGETS``, ``GPROJ_TIER``, ``GPROJ_LOG_LEVEL``,
-  ``GPROJ_DETERMINISTIC``, and the policy's ``GPROJ_SAMPLE_EVERY``, ``GPROJ_AUTO_ENTER``, ...) are checked at
-  once, then ``gproj_patch.enable()`` runs as soon as ``torch`` has been imported (right away if it already
-  is). Deferring to torch's import keeps every Python process that never touches torch (pip, the launcher's
-  helpers) fast, and means the patch is in place before any model code or ``torch.compile`` runs.
-* Any other value, or a bad value of another variable: the process stops at start-up with exit status 2 and a
-  one-line message on stderr naming the variable.
+* 1/true/yes/on: every other variable the patch reads (``config.ENV``: ``GPROJ_MODE``, ``GPROJ_TARGETS``,
+  ``GPROJ_TIER``, ``GPROJ_KV_MAJOR``, ``GPROJ_DQ_MAJOR``, ``GPROJ_LOG_LEVEL`` and the policy's
+  ``GPROJ_SAMPLE_EVERY``, ``GPROJ_AUTO_ENTER``, ...) is checked at once, then ``gproj_patch.enable()`` runs
+  as soon as ``torch`` has been imported (right away if it already is). Deferring to torch's import keeps
+  every Python process that never touches torch (pip, the launcher's helpers) fast, and means the patch is in
+  place before any model code or ``torch.compile`` runs.
+* Any other value, or a bad value of another variable: one line on stderr naming the variable and the values it
+  accepts; the patch stays off and the program runs on (its exit status is its own). The same when
+  ``enable()`` itself fails once torch is imported. A hook that runs in every Python process (pip, the
+  launcher, the program's own helpers) must never take one down; ``status()`` keeps the message, and
+  ``python -m gproj_patch startup --check`` (an explicit checker) exits with status 2 on an invalid environment.
 
 So ``GPROJ_PATCH=1 GPROJ_MODE=auto accelerate launch train.py`` patches every rank: the launcher passes the
 environment to each worker, and each worker's interpreter runs the hook. ``status()`` says what happened.
@@ -29,6 +33,7 @@ The hook does nothing under ``python -S`` / ``-I`` (site disabled), which is Pyt
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -43,6 +48,8 @@ PTH_LINE = ("import os; 'GPROJ_PATCH' in os.environ and "
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
+#: the exit status of this module's command line (``--install`` into a missing directory, ``--check`` of an
+#: invalid environment); the start-up hook itself never exits
 EXIT_CODE = 2
 
 _lock = threading.RLock()
@@ -66,17 +73,23 @@ def status() -> Dict[str, Any]:
     return {"state": STATUS.state, "handle": STATUS.handle, "error": STATUS.error}  # the handle itself, no copy
 
 
-def _fail(message: str) -> None:
-    """Stop the process with a clear message. (An exception would only be printed by ``site``, or, raised
-    during ``import torch``, would leave torch half-registered; a clean exit is the honest outcome.)"""
-    STATUS.state, STATUS.error = "failed", message
+def _report(message: str) -> None:
+    """The start-up hook could not turn the patch on: say so in one line on stderr and leave the patch off.
+    Never an exit or an exception: the hook runs in every Python process, most of which never use the patch
+    (an exception would only be printed by ``site`` as a traceback, or, raised during ``import torch``, would
+    fail the program's own import). Each process says it once: the hook runs once per interpreter."""
+    STATUS.state, STATUS.handle, STATUS.error = "failed", None, message
     try:
-        sys.stdout.flush()
-    except Exception:
+        sys.stderr.write("gproj_patch: " + " ".join(message.splitlines()) + "\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - no usable stderr (pythonw, a closed stream): status() still has it
         pass
-    sys.stderr.write(f"gproj_patch: {message}\n")
-    sys.stderr.flush()
-    os._exit(EXIT_CODE)
+
+
+def _flag_text(raw: str) -> str:
+    """``GPROJ_PATCH=<value>`` as it is set (quoted as a shell would need it), for messages that say why."""
+    import shlex  # only on the way to a message: the hook's success path stays lean
+    return f"{FLAG}={shlex.quote(raw)}"
 
 
 def flag_value(environ=None) -> bool:
@@ -88,7 +101,8 @@ def flag_value(environ=None) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{FLAG}={raw!r} is not understood: use 1 (enable at start-up) or 0 / unset (do nothing)")
+    raise ValueError(f"{FLAG}={raw!r} is neither on ({', '.join(_TRUE)}: enable at start-up) nor off "
+                     f"({', '.join(v for v in _FALSE if v)}, empty or unset: do nothing)")
 
 
 def check_environment(environ=None) -> None:
@@ -98,37 +112,52 @@ def check_environment(environ=None) -> None:
 
 
 def process_startup(environ=None) -> Optional[Any]:
-    """The .pth entry point (idempotent). Returns the enable() handle when the patch was enabled now."""
+    """The .pth entry point (idempotent). Returns the enable() handle when the patch was enabled now. Never
+    raises and never exits: a bad setting is reported (``_report``) and the patch stays off."""
     with _lock:
         if STATUS.state != "not run":
             return STATUS.handle
+        environ = os.environ if environ is None else environ
         try:
             on = flag_value(environ)
         except ValueError as exc:
-            _fail(str(exc))
+            _report(f"{exc}, so the patch stays off")
+            return None
         if not on:
             STATUS.state = "off"
             return None
+        flag = environ.get(FLAG, "")
         try:
             check_environment(environ)
         except ValueError as exc:
-            _fail(f"{FLAG}=1 but the environment is invalid: {exc}")
+            _report(f"{_flag_text(flag)} but the environment is invalid, so the patch stays off: {exc}")
+            return None
+        except Exception as exc:  # noqa: BLE001 - a bug of this package must not stop the program either
+            _report(f"{_flag_text(flag)} but checking the environment failed, so the patch stays off: "
+                    f"{type(exc).__name__}: {exc}")
+            return None
         if "torch" in sys.modules:
-            return _enable()
+            return _enable(flag)
         from ..runtime.import_hooks import call_after_import
         STATUS.state = "waiting for torch"
-        call_after_import("torch", _enable)
+        call_after_import("torch", functools.partial(_enable, flag))
         return None
 
 
-def _enable():
-    try:
-        from .. import patch
-        handle = patch.enable()
-    except Exception as exc:  # noqa: BLE001 - everything here is a start-up failure the user must see
-        _fail(f"{FLAG}=1 but gproj_patch.enable() failed: {type(exc).__name__}: {exc}")
-    STATUS.state, STATUS.handle = "enabled", handle
-    return handle
+def _enable(flag: str):
+    """enable() with the options of the environment as it is now (the program may have changed it since
+    start-up); runs right after ``import torch``, so a failure is reported, never raised into that import.
+    ``flag``: GPROJ_PATCH's value at start-up, for the message."""
+    with _lock:
+        try:
+            from .. import patch
+            handle = patch.enable()
+        except Exception as exc:  # noqa: BLE001 - everything here is a start-up failure the user must see
+            _report(f"{_flag_text(flag)} but gproj_patch.enable() failed, so the patch stays off: "
+                    f"{type(exc).__name__}: {exc}")
+            return None
+        STATUS.state, STATUS.handle = "enabled", handle
+        return handle
 
 
 def _site_dir(user: bool) -> str:
@@ -148,13 +177,15 @@ def install_pth(directory: str) -> str:
     return path
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m gproj_patch.integrations.startup") -> int:
+    """The command line; ``prog`` is how it was invoked (``python -m gproj_patch startup`` passes its own)."""
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m gproj_patch.integrations.startup",
+    ap = argparse.ArgumentParser(prog=prog,
                                  description="Install or inspect the GPROJ_PATCH=1 start-up hook (.pth).")
     ap.add_argument("--install", metavar="DIR", nargs="?", const="", default=None,
                     help="write the .pth into DIR (default: this interpreter's site-packages)")
-    ap.add_argument("--user", action="store_true", help="with --install: the user site directory")
+    ap.add_argument("--user", action="store_true",
+                    help="with --install or --uninstall and no DIR: the user site directory")
     ap.add_argument("--uninstall", metavar="DIR", nargs="?", const="", default=None,
                     help="remove the .pth from DIR (default: this interpreter's site-packages)")
     ap.add_argument("--check", action="store_true", help="report whether the hook is installed and valid")

@@ -17,7 +17,7 @@ even over an invalid environment value. Unknown keywords raise.
 |                     |                           | and faster: sm_90, D=64/128), tl (never Gluon)   |         |
 | dq_major            | GPROJ_DQ_MAJOR            | auto (the Gluon dQ-major launch where supported  | auto    |
 |                     |                           | and faster: sm_90, D=128), tl (never Gluon)      |         |
-| log_level           | GPROJ_LOG_LEVEL           | DEBUG, INFO, WARNING, ERROR or an int            | WARNING |
+| log_level           | GPROJ_LOG_LEVEL           | DEBUG, INFO, WARNING, ERROR or an int >= 0       | WARNING |
 | sample_every        | GPROJ_SAMPLE_EVERY        | int >= 1: detector sampling period in steps      | 20      |
 | gproj_enter / _exit | GPROJ_AUTO_ENTER / _EXIT  | predicted dq leak that moves a layer to / from   | 0.01 /  |
 |                     |                           | GProj (exit <= enter)                            | 0.005   |
@@ -80,18 +80,23 @@ def parse_targets(name: str, value) -> Tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
+def _int_text(text: str) -> Optional[int]:
+    """The int an optionally signed run of ASCII digits spells, else None (so that "--5" or "²" get this
+    module's message naming the option, not int()'s own)."""
+    digits = text[1:] if text[:1] in ("+", "-") else text
+    return int(text) if digits.isascii() and digits.isdigit() else None
+
+
 def parse_log_level(name: str, value) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a logging level name or an int; got {value!r}")
-    if isinstance(value, int):
-        return value
+    """A level name, or an int >= 0: logging's levels run from NOTSET (0) up; a negative number is no level
+    (logging would take it and then let every record through)."""
+    level = value
     if isinstance(value, str):
         s = value.strip()
-        if s.upper() in _LEVELS:
-            return _LEVELS[s.upper()]
-        if s.lstrip("-").isdigit():
-            return int(s)
-    raise ValueError(f"{name} must be one of {', '.join(_LEVELS)} or an int; got {value!r}")
+        level = _LEVELS[s.upper()] if s.upper() in _LEVELS else _int_text(s)
+    if isinstance(level, int) and not isinstance(level, bool) and level >= 0:
+        return level
+    raise ValueError(f"{name} must be one of {', '.join(_LEVELS)} or an int >= 0; got {value!r}")
 
 
 def parse_bool(name: str, value) -> bool:
@@ -107,8 +112,8 @@ def parse_bool(name: str, value) -> bool:
 def parse_int(name: str, value) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value.strip())
+    if isinstance(value, str) and _int_text(value.strip()) is not None:
+        return _int_text(value.strip())
     raise ValueError(f"{name}={value!r}: expected an integer")
 
 
@@ -119,6 +124,33 @@ def parse_float(name: str, value) -> float:
         return float(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError):
         raise ValueError(f"{name}={value!r}: expected a number") from None
+
+
+#: the range of the four enter/exit thresholds (NaN is outside it: every comparison with it is false)
+_THRESHOLD = (lambda v: 0.0 <= v < math.inf, "a finite number >= 0 (a relative error, 0.005 = 0.5%)")
+#: each policy option's own range: (whether a value is in it, what the value must be); PolicyConfig checks them
+#: under the options' names, policy_options under the keyword or variable that set each value
+_RANGES: Mapping[str, Tuple[Callable[[Any], bool], str]] = MappingProxyType({
+    "sample_every": (lambda v: v >= 1, "an integer >= 1"),
+    "gproj_enter": _THRESHOLD, "gproj_exit": _THRESHOLD, "fp32_enter": _THRESHOLD, "fp32_exit": _THRESHOLD,
+    "max_amplification": (lambda v: v >= 1.0, "a number >= 1"),
+    "max_rows": (lambda v: v >= 2, "an integer >= 2"),
+})
+#: (enter, exit) threshold pairs: exit <= enter, the hysteresis of the policy
+_PAIRS = (("gproj_enter", "gproj_exit"), ("fp32_enter", "fp32_exit"))
+
+
+def _check_range(label: str, name: str, value) -> None:
+    in_range, what = _RANGES[name]
+    if not in_range(value):
+        raise ValueError(f"{label} must be {what}; got {value!r}")
+
+
+def _check_order(value: Callable[[str], Any], said: Callable[[str], str]) -> None:
+    """exit <= enter for each pair; ``said(name)`` is how the message names an option and its value."""
+    for enter, exit_ in _PAIRS:
+        if value(exit_) > value(enter):
+            raise ValueError(f"{said(exit_)} must not exceed {said(enter)}")
 
 
 @dataclass(frozen=True)
@@ -135,20 +167,9 @@ class PolicyConfig:
     detector_graph: bool = True
 
     def __post_init__(self):
-        if self.sample_every < 1:
-            raise ValueError(f"sample_every must be an integer >= 1, got {self.sample_every!r}")
-        if self.max_rows < 2:
-            raise ValueError(f"max_rows must be an integer >= 2, got {self.max_rows!r}")
-        for name in ("gproj_enter", "gproj_exit", "fp32_enter", "fp32_exit"):
-            v = getattr(self, name)
-            if not (0.0 <= v < math.inf):
-                raise ValueError(f"{name} must be a finite number >= 0 (a relative error, 0.005 = 0.5%), got {v!r}")
-        if self.gproj_exit > self.gproj_enter:
-            raise ValueError(f"gproj_exit ({self.gproj_exit}) must not exceed gproj_enter ({self.gproj_enter})")
-        if self.fp32_exit > self.fp32_enter:
-            raise ValueError(f"fp32_exit ({self.fp32_exit}) must not exceed fp32_enter ({self.fp32_enter})")
-        if not (self.max_amplification >= 1.0):
-            raise ValueError(f"max_amplification must be >= 1, got {self.max_amplification!r}")
+        for name in _RANGES:
+            _check_range(name, name, getattr(self, name))
+        _check_order(lambda name: getattr(self, name), lambda name: f"{name} ({getattr(self, name)})")
 
 
 POLICY_OPTION_NAMES = tuple(f.name for f in fields(PolicyConfig))
@@ -213,14 +234,20 @@ def _pick_sourced(options, explicit, environ) -> Dict[str, Tuple[Any, str]]:
     for name, opt in options.items():
         if name in explicit:
             out[name] = (opt.parse(name, explicit[name]), name)
-        elif opt.env and (environ.get(opt.env, "") != "" or (opt.empty_is_value and opt.env in environ)):
+        elif _env_gives(opt, environ):
             out[name] = (opt.parse(opt.env, environ[opt.env]), opt.env)
     return out
 
 
-#: the enter/exit thresholds whose order (exit <= enter) PolicyConfig checks
-_PAIRED = MappingProxyType({"gproj_enter": "gproj_exit", "gproj_exit": "gproj_enter", "fp32_enter": "fp32_exit",
-                            "fp32_exit": "fp32_enter"})
+def _env_gives(opt: _Option, environ: Mapping[str, str]) -> bool:
+    """Whether the environment sets the option: an empty variable is unset unless empty is a value."""
+    return bool(opt.env) and (environ.get(opt.env, "") != "" or (opt.empty_is_value and opt.env in environ))
+
+
+def env_gives(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the environment sets option ``name`` (as ``resolve()`` reads it: GPROJ_LOG_LEVEL="" is unset)."""
+    opt = _CORE[name] if name in _CORE else _POLICY[name]
+    return _env_gives(opt, os.environ if environ is None else environ)
 
 
 def policy_options(environ: Optional[Mapping[str, str]] = None, **explicit) -> PolicyConfig:
@@ -230,19 +257,18 @@ def policy_options(environ: Optional[Mapping[str, str]] = None, **explicit) -> P
         raise ValueError(f"unknown policy option(s) {', '.join(unknown)}; known: {', '.join(_POLICY)}")
     environ = os.environ if environ is None else environ
     picked = _pick_sourced(_POLICY, explicit, environ)
-    for name, (value, source) in picked.items():  # each value's own range, naming the keyword or variable
-        probe = {name: value}
-        if name in _PAIRED:  # its partner set equal: the order of the pair is checked on the whole config below
-            probe[_PAIRED[name]] = value
-        try:
-            replace(PolicyConfig(), **probe)
-        except ValueError as exc:
-            raise ValueError(f"{source}: {exc}") from None
-    try:
-        return replace(PolicyConfig(), **{name: value for name, (value, _s) in picked.items()})
-    except ValueError as exc:  # an enter/exit pair out of order, from any mix of keywords, variables, defaults
-        given = ", ".join(source for _v, source in picked.values())
-        raise ValueError(f"{exc} (set: {given or 'defaults only'})") from None
+    for name, (value, source) in picked.items():  # each value's own range, naming its keyword or variable
+        if name in _RANGES:
+            _check_range(source, name, value)
+    values = {name: value for name, (value, _source) in picked.items()}
+    defaults = PolicyConfig()
+
+    def said(name: str) -> str:  # an enter/exit pair may mix keywords, variables and defaults
+        if name in picked:
+            return f"{picked[name][1]} ({picked[name][0]})"
+        return f"{name} ({getattr(defaults, name)}, the default)"
+    _check_order(lambda name: values.get(name, getattr(defaults, name)), said)
+    return replace(defaults, **values)
 
 
 def resolve(mode=None, targets=None, environ: Optional[Mapping[str, str]] = None, **options) -> Config:

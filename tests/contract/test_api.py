@@ -1,4 +1,5 @@
 """Public API: enable/disable/is_enabled/stats/attention, options from the environment, thread safety."""
+import logging
 import threading
 
 import pytest
@@ -123,10 +124,57 @@ def test_thresholds_below_both_defaults_as_keywords_or_variables():
     assert (cfg.gproj_enter, cfg.gproj_exit, cfg.fp32_enter, cfg.fp32_exit) == (0.003, 0.001, 0.004, 0.003)
     cfg = policy_options({"GPROJ_AUTO_ENTER": "0.003"}, gproj_exit=0.002)
     assert (cfg.gproj_enter, cfg.gproj_exit) == (0.003, 0.002)
-    with pytest.raises(ValueError, match=r"gproj_exit \(0.005\) must not exceed gproj_enter \(0.003\).*gproj_enter"):
+    with pytest.raises(ValueError, match=r"^gproj_exit \(0.005, the default\) must not exceed gproj_enter \(0.003\)$"):
         policy_options({}, gproj_enter=0.003)  # the default exit is above it
+    with pytest.raises(ValueError, match=r"^GPROJ_AUTO_EXIT \(0.5\) must not exceed GPROJ_AUTO_ENTER \(0.2\)$"):
+        policy_options({"GPROJ_AUTO_ENTER": "0.2", "GPROJ_AUTO_EXIT": "0.5"})
     with pytest.raises(ValueError, match="GPROJ_AUTO_ENTER"):
         policy_options({"GPROJ_AUTO_ENTER": "-1"})
+
+
+def _resolve_error(given) -> str:
+    """The ValueError message of resolve() with ``given``: GPROJ_* names as the environment, others as keywords."""
+    environ = {k: v for k, v in given.items() if k.startswith("GPROJ_")}
+    keywords = {k: v for k, v in given.items() if not k.startswith("GPROJ_")}
+    with pytest.raises(ValueError) as info:
+        config.resolve(environ=environ, **keywords)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("given,message", [
+    ({"sample_every": 0}, "sample_every must be an integer >= 1; got 0"),
+    ({"GPROJ_SAMPLE_EVERY": "0"}, "GPROJ_SAMPLE_EVERY must be an integer >= 1; got 0"),
+    ({"max_rows": 1}, "max_rows must be an integer >= 2; got 1"),
+    ({"GPROJ_DETECTOR_ROWS": "1"}, "GPROJ_DETECTOR_ROWS must be an integer >= 2; got 1"),
+    ({"max_amplification": 0.5}, "max_amplification must be a number >= 1; got 0.5"),
+    # the exit threshold's own variable, not its pair's partner
+    ({"GPROJ_FP32_EXIT": "-1"}, "GPROJ_FP32_EXIT must be a finite number >= 0 (a relative error, 0.005 = 0.5%); "
+                                "got -1.0"),
+    ({"GPROJ_AUTO_EXIT": "nan"}, "GPROJ_AUTO_EXIT must be a finite number >= 0 (a relative error, 0.005 = 0.5%); "
+                                 "got nan"),
+    ({"GPROJ_SAMPLE_EVERY": "--5"}, "GPROJ_SAMPLE_EVERY='--5': expected an integer"),
+])
+def test_policy_range_errors_name_the_keyword_or_variable_once(given, message):
+    """The whole message, exactly: one name (the keyword or variable that was used), never a second prefix."""
+    assert _resolve_error(given) == message
+
+
+LEVELS = "DEBUG, INFO, WARNING, WARN, ERROR, CRITICAL"
+
+
+@pytest.mark.parametrize("given,message", [
+    ({"log_level": -5}, f"log_level must be one of {LEVELS} or an int >= 0; got -5"),
+    ({"GPROJ_LOG_LEVEL": "-5"}, f"GPROJ_LOG_LEVEL must be one of {LEVELS} or an int >= 0; got '-5'"),
+    ({"GPROJ_LOG_LEVEL": "--5"}, f"GPROJ_LOG_LEVEL must be one of {LEVELS} or an int >= 0; got '--5'"),
+    ({"log_level": True}, f"log_level must be one of {LEVELS} or an int >= 0; got True"),
+])
+def test_a_log_level_is_a_level_name_or_a_non_negative_int(given, message):
+    """logging's levels run from NOTSET (0) up; a negative number is no level (setLevel would take it and let
+    every record through)."""
+    assert _resolve_error(given) == message
+    assert config.resolve(environ={"GPROJ_LOG_LEVEL": "0"}).log_level == logging.NOTSET
+    assert config.resolve(environ={}, log_level=" info ").log_level == logging.INFO
+    assert config.resolve(environ={"GPROJ_LOG_LEVEL": "+35"}).log_level == 35
 
 
 def test_keyword_wins_over_an_invalid_environment_value(monkeypatch):
@@ -136,6 +184,23 @@ def test_keyword_wins_over_an_invalid_environment_value(monkeypatch):
         config.resolve(sample_every=3)
     cfg = config.resolve(mode="fp32", sample_every=3)
     assert (cfg.mode, cfg.policy.sample_every) == ("fp32", 3)
+
+
+@pytest.mark.parametrize("source", ["keyword", "GPROJ_TIER"])
+def test_tier_triton_refusal_names_what_can_set_it(monkeypatch, source):
+    """tier "triton" on CPU bf16 (the interpreter's bf16 is inexact): refused at the forward. Set by the keyword
+    the message must not claim the variable was set; it names both ways the option is given."""
+    pytest.importorskip("triton")
+    if source == "keyword":
+        gproj_patch.enable(targets=("sdpa",), tier="triton")
+    else:
+        monkeypatch.setenv("GPROJ_TIER", "triton")
+        gproj_patch.enable(targets=("sdpa",))
+    q, k, v = (torch.randn(1, 2, 16, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with pytest.raises(RuntimeError) as info:
+        F.scaled_dot_product_attention(q, k, v)
+    assert str(info.value).startswith('tier="triton" (as a keyword or GPROJ_TIER=triton) but the GProj kernel '
+                                      "cannot run: bfloat16"), str(info.value)
 
 
 @pytest.mark.parametrize("targets", [(), [], ""])
@@ -237,6 +302,13 @@ def test_enable_keeps_a_log_level_the_application_set(monkeypatch):
         with gproj_patch.enable(targets=("sdpa",)):
             assert log.level == logging.DEBUG
         with gproj_patch.enable(targets=("sdpa",), log_level="ERROR"):
+            assert log.level == logging.ERROR
+        assert log.level == logging.DEBUG
+        monkeypatch.setenv("GPROJ_LOG_LEVEL", "")  # empty: unset, as for every option resolve() reads
+        with gproj_patch.enable(targets=("sdpa",)):
+            assert log.level == logging.DEBUG
+        monkeypatch.setenv("GPROJ_LOG_LEVEL", "ERROR")
+        with gproj_patch.enable(targets=("sdpa",)):
             assert log.level == logging.ERROR
         assert log.level == logging.DEBUG
     finally:

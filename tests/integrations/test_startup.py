@@ -58,20 +58,97 @@ def test_unset_flag_never_imports_the_package(userbase):
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
 
 
-@pytest.mark.parametrize("env,needle", [
-    ({"GPROJ_PATCH": "maybe"}, "GPROJ_PATCH='maybe' is not understood"),
+def _one_gproj_line(stderr):
+    """The stderr's one ``gproj_patch:`` line (the assertion fails on none or more than one)."""
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("gproj_patch:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+BAD_SETTINGS = [
+    ({"GPROJ_PATCH": "maybe"}, "GPROJ_PATCH='maybe' is neither on (1, true, yes, on: enable at start-up) nor off"),
     ({"GPROJ_PATCH": "1", "GPROJ_DETECTOR_GRAPH": "maybe"}, "GPROJ_DETECTOR_GRAPH='maybe': expected a boolean"),
-    ({"GPROJ_PATCH": "1", "GPROJ_MODE": "fast"}, "GPROJ_MODE must be one of"),
-    ({"GPROJ_PATCH": "1", "GPROJ_TARGETS": "sdpa,xformers"}, "unknown target(s) 'xformers'"),
-    ({"GPROJ_PATCH": "1", "GPROJ_SAMPLE_EVERY": "0"}, "sample_every must be an integer >= 1"),
+    ({"GPROJ_PATCH": "1", "GPROJ_MODE": "fast"}, "GPROJ_MODE must be one of gproj, fp32, off, auto, audit"),
+    ({"GPROJ_PATCH": "1", "GPROJ_TARGETS": "nope"}, "GPROJ_TARGETS: unknown target(s) 'nope'; known: sdpa"),
+    ({"GPROJ_PATCH": "1", "GPROJ_SAMPLE_EVERY": "0"}, "GPROJ_SAMPLE_EVERY must be an integer >= 1; got 0"),
+    ({"GPROJ_PATCH": "1", "GPROJ_LOG_LEVEL": "-5"}, "GPROJ_LOG_LEVEL must be one of DEBUG, INFO, WARNING, WARN, "
+                                                    "ERROR, CRITICAL or an int >= 0; got '-5'"),
     ({"GPROJ_PATCH": "1", "GPROJ_AUTO_ENTER": "high"}, "GPROJ_AUTO_ENTER='high': expected a number"),
-])
-def test_bad_values_fail_at_startup_with_a_clear_message(userbase, env, needle):
-    r = _run(userbase, "print('user code ran')", **env)
-    assert r.returncode == startup.EXIT_CODE
-    assert "user code ran" not in r.stdout
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("gproj_patch: ") and needle in lines[0], r.stderr
+]
+
+
+@pytest.mark.parametrize("env,needle", BAD_SETTINGS)
+def test_a_bad_setting_leaves_the_program_running_with_one_line(userbase, env, needle):
+    """A start-up hook never takes a process down: the program runs, exits with its own status, and stderr has
+    one line naming the variable; the patch stays off and the hook does not import torch."""
+    r = _run(userbase, """
+        import sys
+        import gproj_patch.integrations.startup as s
+        print("user code ran", "torch" in sys.modules, s.status()["state"])
+        sys.exit(3)
+    """, **env)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout.strip() == "user code ran False failed"
+    line = _one_gproj_line(r.stderr)
+    assert needle in line and "the patch stays off" in line, line
+    if env["GPROJ_PATCH"] != "maybe":  # the flag's own value, as set, not a fixed "1"
+        assert line.startswith("gproj_patch: GPROJ_PATCH=1 but the environment is invalid"), line
+
+
+def test_a_bad_setting_names_the_flag_as_it_was_set(userbase):
+    r = _run(userbase, "print(1)", GPROJ_PATCH="yes", GPROJ_MODE="fast")
+    assert r.returncode == 0 and r.stdout.strip() == "1", r.stderr
+    assert _one_gproj_line(r.stderr).startswith("gproj_patch: GPROJ_PATCH=yes but the environment is invalid")
+
+
+def test_pip_runs_under_a_bad_setting(userbase):
+    r = _run(userbase, None, cmd=[sys.executable, "-m", "pip", "--version"], GPROJ_PATCH="1", GPROJ_MODE="fast")
+    assert r.returncode == 0 and r.stdout.startswith("pip "), r.stderr
+    assert "GPROJ_MODE" in _one_gproj_line(r.stderr)
+
+
+def test_enable_failing_at_torch_import_leaves_the_program_running(userbase):
+    """Valid at start-up, invalid when torch is imported (the program changed it): enable() raises inside
+    ``import torch``; the import completes, the patch stays off, status() keeps the message."""
+    r = _run(userbase, """
+        import os
+        os.environ["GPROJ_MODE"] = "fast"
+        import torch
+        import gproj_patch
+        import gproj_patch.integrations.startup as s
+        print(torch.ones(2).sum().item(), s.status()["state"], gproj_patch.is_enabled(), s.status()["handle"])
+        print(s.status()["error"])
+    """, GPROJ_PATCH="on")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0] == "2.0 failed False None"
+    line = _one_gproj_line(r.stderr)
+    assert line == "gproj_patch: " + out[1]
+    assert out[1].startswith("GPROJ_PATCH=on but gproj_patch.enable() failed, so the patch stays off: ValueError: "
+                             "GPROJ_MODE must be one of"), out[1]
+
+
+@pytest.mark.parametrize("env", [e for e, _needle in BAD_SETTINGS[:3]])
+def test_startup_check_still_fails_on_a_bad_setting(userbase, env):
+    r = _run(userbase, None, cmd=[sys.executable, "-m", "gproj_patch", "startup", "--check"], **env)
+    assert r.returncode == startup.EXIT_CODE, r.stdout + r.stderr
+    assert "environment: INVALID: GPROJ_" in r.stdout, r.stdout
+    _one_gproj_line(r.stderr)  # the hook's own line, once
+
+
+def test_startup_check_passes_on_a_valid_setting(userbase):
+    r = _run(userbase, None, cmd=[sys.executable, "-m", "gproj_patch", "startup", "--check"], GPROJ_PATCH="1",
+             GPROJ_MODE="auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hook state in this process: waiting for torch" in r.stdout and "environment: valid" in r.stdout
+    assert "gproj_patch:" not in r.stderr
+
+
+def test_startup_usage_names_the_command_that_ran(capsys):
+    from gproj_patch.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["startup", "--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m gproj_patch startup ")
 
 
 def test_torch_already_imported_enables_immediately():
