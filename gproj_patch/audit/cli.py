@@ -10,8 +10,9 @@ without it, for contrast) and ``sdpa-flash`` (PyTorch's fused flash backward thr
 ``torch.nn.attention.sdpa_kernel`` + autograd; PyTorch has one on the CPU too). The emulated backends take
 the saved O and LSE from ``emulated_forward``. On CUDA also ``sdpa-efficient``, ``sdpa-cudnn``, ``fa2``
 (flash_attn), ``fa3`` (flash_attn_interface), ``fa4`` (flash_attn.cute) when importable, and
-``triton-uncorrected`` / ``triton-gproj`` when ``gproj_patch.backends.triton_bwd`` imports (on CPU only with
-GPROJ_TIER=triton, TRITON_INTERPRET=1 and ``--dtype fp16``; given the emulated forward's O and LSE, and
+``triton-uncorrected`` / ``triton-gproj`` when ``gproj_patch.backends.triton_bwd`` imports (on CPU through
+Triton's interpreter, with ``--dtype fp16`` and GPROJ_TIER=triton or TRITON_INTERPRET=1 — the rule ``enable()``
+applies — and never in bf16, which the interpreter computes wrongly; given the emulated forward's O and LSE, and
 ``kernel_unsupported_reason`` decides n/a). A backend that cannot express a case (e.g. SDPA with a sliding
 window) is reported as ``n/a`` with the reason. The fused kernels return gradients in the input dtype, so
 their errors include that final rounding (≈ u/2); the emulation and the FP32 tier return fp32.
@@ -183,7 +184,10 @@ def plan(args: argparse.Namespace, p: argparse.ArgumentParser) -> Plan:
         cases = select_cases(args.cases)
     except ValueError as e:
         p.error(str(e))
-    backends, skipped = available_backends(device, DTYPES[args.dtype])
+    try:
+        backends, skipped = available_backends(device, DTYPES[args.dtype])
+    except ValueError as e:  # a bad GPROJ_TIER
+        p.error(str(e))
     if args.backends or args.plugins:
         pats = [x.strip() for x in (args.backends or "").split(",") if x.strip()]
         bad = [pt for pt in pats if not any(fnmatch.fnmatchcase(b.name, pt) for b in backends)]
