@@ -21,7 +21,7 @@ import torch
 from ..version import __version__
 from .cases import select_cases
 from .plugin import LAYOUTS, plugin_backend
-from .run import DTYPES, criteria, finite_json, plugin_checks, run_case, torch_threads
+from .run import DTYPES, criteria, finite_json, plugin_checks, resolve_device, run_case, torch_threads
 
 DEFAULT_CASES = None  # every case of the suite (quick shapes: seconds on a CPU for an eager BF16 attention)
 
@@ -110,14 +110,14 @@ def check(fn: Callable, cases: Union[str, Sequence[str], None] = DEFAULT_CASES,
     "bhsd" or "bshd") against the fp64 oracle on the suite's ``cases`` (names or fnmatch patterns, a comma
     string or a list; all by default), inputs in ``dtype`` on ``device`` (default: cuda if available, else
     cpu). ``quick``: the suite's small shapes. ``threads``: torch CPU threads during the run (0: unchanged).
-    Bad arguments raise ValueError before anything runs."""
+    Bad arguments raise ValueError before anything runs; a device this machine lacks (``device="cuda"``
+    without a GPU) raises ``DeviceUnavailableError`` (a RuntimeError), also before anything runs."""
     dtype_name = _dtype_name(dtype)
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    dev = resolve_device(device)
     chosen = select_cases(cases if cases is None or isinstance(cases, str) else ",".join(cases))
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     backend = plugin_backend(label, fn, layout)

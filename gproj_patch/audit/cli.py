@@ -89,8 +89,8 @@ from .backends import Backend, available_backends
 from .cases import Case, select_cases
 from .plugin import LAYOUTS, PluginError, load_backend
 from .report import render_checks, render_table, write_plot
-from .run import (DTYPES, GAUGE_MAX_U, GPROJ_MAX_U, TRANSLATION_SIGMA, checks, finite_json, plural, run_case,
-                  strict_status, torch_threads)
+from .run import (DTYPES, GAUGE_MAX_U, GPROJ_MAX_U, TRANSLATION_SIGMA, DeviceUnavailableError, checks, finite_json,
+                  plural, resolve_device, run_case, strict_status, torch_threads)
 
 DESCRIPTION = ("Attention-gradient errors of every backend available here (and of your own attention functions, "
                "--backend MODULE:FUNCTION) on a named adversarial suite, against an fp64 oracle.")
@@ -151,17 +151,12 @@ class Plan:
 
 
 def _parse_device(p: argparse.ArgumentParser, name: Optional[str]) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError) as e:
-        p.error(f"bad --device {name!r}: {e}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {name}: CUDA is not available on this machine")
-    if dev.type not in ("cpu", "cuda"):
-        p.error(f"--device {name}: only cpu and cuda are supported")
-    return dev
+        return resolve_device(name)
+    except DeviceUnavailableError as e:
+        p.error(f"--device {name}: {e.why}")
+    except ValueError as e:
+        p.error(f"--device {name}: {e}")
 
 
 def _check_output(p: argparse.ArgumentParser, flag: str, path: Optional[str]) -> None:

@@ -12,7 +12,7 @@ import math
 import time
 import warnings
 from types import MappingProxyType
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -29,6 +29,42 @@ GAUGE_MAX_U = 2.56  # a plugin's gauge error: two backwards each within 1.28·u 
 FP32_TIER_MAX = 1e-3  # the FP32 tier computes in FP32: one bound for every input format
 EXIT_FAILED, EXIT_NOTHING_RAN = 1, 3
 MAX_WARNINGS = 3  # distinct warning lines kept per result
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The audit was asked to run on a device this machine does not have (e.g. ``device="cuda"`` without a GPU).
+    ``check`` raises it before anything runs, the pytest fixture turns it into a skip, the CLI into exit 2.
+    ``device``: the device asked for; ``why``: what is missing and what to do instead."""
+
+    def __init__(self, device: str, why: str):
+        super().__init__(f"device {device!r}: {why}")
+        self.device, self.why = device, why
+
+
+def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
+    """The device the audit runs on: ``device``, or cuda if available, else cpu for None. ValueError for a name
+    torch does not parse or a device type the audit does not run on; ``DeviceUnavailableError`` for a device
+    this machine lacks, saying what to pass instead."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"bad device {device!r}: {e}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(dev)!r}: the audit runs on cpu or cuda")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DeviceUnavailableError(str(dev), (
+                f"CUDA is not available on this machine ({why}; torch {torch.__version__}). Run on a machine with "
+                "a CUDA GPU, or on the CPU (device 'cpu'; with no device given, the audit picks cuda if available, "
+                "else cpu)"))
+        if dev.index is not None and dev.index >= count:
+            raise DeviceUnavailableError(str(dev), f"this machine has {plural(count, 'CUDA device')} "
+                                                   f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    return dev
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> Tuple[float, bool]:
