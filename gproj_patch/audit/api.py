@@ -60,20 +60,35 @@ class Report:
         return bool(ran) and all(ran)
 
     def explain(self) -> str:
-        """Plain-English lines: each criterion with its measured figure and bound, then the n/a cases."""
+        """Plain-English lines: each criterion with its measured figure and bound (or why it did not run), then
+        the n/a cases."""
         f = self.figures
-        pct = lambda x: "-" if x is None else f"{100 * x:.3g}%"  # noqa: E731
-        verdict = lambda v: "not run" if v is None else ("PASS" if v else "FAIL")  # noqa: E731
+        pct = lambda x: f"{100 * x:.3g}%"  # noqa: E731
+        verdict = lambda v: "PASS" if v else "FAIL"  # noqa: E731
         ran = any(v is not None for v in self.criteria.values())
         outcome = "passed" if self.passed else ("FAILED" if ran else "no criterion could run")
-        lines = [f"{self.backend} ({self.dtype} on {self.device}): {outcome}",
-                 f"  dq error, worst gauge-regime case: {pct(f['worst_dq'])} [{f['worst_dq_case']}] "
-                 f"(bound {pct(f['dq_max'])}) {verdict(self.criteria['pass_dq'])}",
-                 f"  gauge error (dq under a common key translation): {pct(f['worst_gauge'])} "
-                 f"[{f['worst_gauge_case']}] (bound {pct(f['gauge_max'])}) {verdict(self.criteria['pass_gauge'])}",
-                 f"  witness dq[0,0,0,0]: {'-' if f['witness_dq0'] is None else f['witness_dq0']} (exact 0, bound "
-                 f"±{'-' if f['witness_max'] is None else f['witness_max']}) "
-                 f"{verdict(self.criteria['pass_witness'])}"]
+        gauge_cases = [c for c in self.cases if c.gauge_regime]
+        no_gauge_case = ("not run: no gauge-regime case was selected" if not gauge_cases else
+                         "not run: no gauge-regime case the format can hold ran (see the n/a lines)")
+        witness = [c for c in self.cases if c.name == "witness"]
+        lines = [f"{self.backend} ({self.dtype} on {self.device}): {outcome}"]
+        if f["worst_dq"] is None:
+            lines.append(f"  dq error, worst gauge-regime case: {no_gauge_case}")
+        else:
+            lines.append(f"  dq error, worst gauge-regime case: {pct(f['worst_dq'])} [{f['worst_dq_case']}] "
+                         f"(bound {pct(f['dq_max'])}) {verdict(self.criteria['pass_dq'])}")
+        if f["worst_gauge"] is None:
+            lines.append(f"  gauge error (dq under a common key translation): {no_gauge_case}")
+        else:
+            lines.append(f"  gauge error (dq under a common key translation): {pct(f['worst_gauge'])} "
+                         f"[{f['worst_gauge_case']}] (bound {pct(f['gauge_max'])}) "
+                         f"{verdict(self.criteria['pass_gauge'])}")
+        if f["witness_dq0"] is None:
+            lines.append("  witness dq[0,0,0,0]: not run: " + ("the witness case did not run (see its n/a line)"
+                                                                   if witness else "the witness case was not selected"))
+        else:
+            lines.append(f"  witness dq[0,0,0,0]: {f['witness_dq0']} (exact 0, bound ±{f['witness_max']:.3g}) "
+                         f"{verdict(self.criteria['pass_witness'])}")
         lines += [f"  n/a {name}: {why}" for name, why in f["not_run"].items()]
         return "\n".join(lines)
 

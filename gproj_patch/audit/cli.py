@@ -107,7 +107,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    p = parser or OneLineParser(prog="python -m gproj_patch audit")
+    p = parser or OneLineParser(prog="python -m gproj_patch audit")  # main() passes the name it was invoked as
     p.description, p.epilog = DESCRIPTION, EPILOG
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input precision (default bf16)")
@@ -257,6 +257,31 @@ def _list(pl: Plan) -> int:
     return 0
 
 
+def _report_warnings(results: List[dict], json_path: Optional[str]) -> None:
+    """Where the audited calls' warnings went: with --json, that file's ``warnings`` fields; without, each
+    distinct line printed here once, with the results it came from (never to stderr: the audit makes these
+    calls on purpose with unusual inputs, so their advice is about the audit's call, not the user's code)."""
+    by_line: Dict[str, List[str]] = {}
+    warned = 0
+    for c in results:
+        for backend, r in c["results"].items():
+            warned += bool(r.get("warnings"))
+            for line in r.get("warnings", ()):
+                by_line.setdefault(line, []).append(f"{c['name']}/{backend}")
+    if not warned:
+        return
+    head = f"{plural(warned, 'result')} came with warnings from the audited calls"
+    if json_path:
+        print(f"{head} (kept in {json_path}, field 'warnings' of each result)")
+        return
+    print(f"{head} (raised by the audited functions on the audit's inputs; --json PATH keeps them with each "
+          "result):")
+    for line, where in by_line.items():
+        shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        print(textwrap.fill(f"{line} [{shown}]", 116, initial_indent="  ", subsequent_indent="    ",
+                            break_long_words=False, break_on_hyphens=False))  # names and paths stay whole
+
+
 def run_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     pl = plan(args, parser)
     if args.list:
@@ -277,10 +302,7 @@ def _run(args: argparse.Namespace, pl: Plan) -> int:
     print(textwrap.fill(f"{plural(len(results), 'case')} × {plural(len(names), 'backend')} on {pl.device} "
                         f"({args.dtype}{', quick' if args.quick else ''}) in {elapsed:.1f} s; not run here: "
                         + (", ".join(f"{n} ({w})" for n, w in pl.skipped.items()) or "none"), 116))
-    warned = sum(1 for c in results for r in c["results"].values() if r.get("warnings"))
-    if warned:
-        print(f"{plural(warned, 'result')} came with warnings from the audited calls (kept in the JSON, "
-              "field 'warnings')")
+    _report_warnings(results, args.json_path)
     doc = {"tool": "gproj_patch audit", "version": __version__, "torch": torch.__version__,
            "device": str(pl.device), "dtype": args.dtype, "quick": bool(args.quick), "seed": args.seed,
            "threads": torch.get_num_threads(), "elapsed_s": round(elapsed, 3),
@@ -303,9 +325,22 @@ def _run(args: argparse.Namespace, pl: Plan) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``gproj-audit`` and ``python -m gproj_patch.audit.cli``: the audit's own command line."""
-    parser = build_parser()
+def invoked_as(argv0: Optional[str] = None) -> str:
+    """The command the user typed, for usage and error lines (argparse's rule, the basename of argv[0], with two
+    exceptions): ``python -m gproj_patch.audit.cli`` for this module run with -m (argv[0] is then its path),
+    and ``gproj-audit`` where argv[0] names no script (``python -c``, an embedding)."""
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    if name == "cli.py":
+        return "python -m gproj_patch.audit.cli"
+    if not name or name in ("-c", "-m"):
+        return "gproj-audit"
+    return name[:-4] if name.lower().endswith(".exe") else name  # pip's launchers on Windows
+
+
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    """``gproj-audit`` and ``python -m gproj_patch.audit.cli``: the audit's own command line. ``prog``: the name
+    usage and error lines give the command (default: as invoked, ``invoked_as``)."""
+    parser = build_parser(OneLineParser(prog=prog or invoked_as()))
     args = parser.parse_args(argv)
     return run_audit(args, parser)
 

@@ -156,6 +156,20 @@ def test_no_criterion_ran_is_not_a_pass():
     assert rep.criteria == {"pass_dq": None, "pass_gauge": None, "pass_witness": None} and not rep.passed
 
 
+def test_explain_says_why_a_criterion_did_not_run():
+    """Criteria whose cases did not run read as such, with the reason — no "- [None]" or "bound ±-"."""
+    text = check(eager_bf16_attention, cases="varlen", device="cpu").explain()  # a gauge-regime case, n/a here
+    assert "None" not in text and "±-" not in text and ": - " not in text
+    lines = text.splitlines()
+    assert lines[0].endswith("no criterion could run")
+    assert lines[1] == ("  dq error, worst gauge-regime case: not run: no gauge-regime case the format can hold "
+                        "ran (see the n/a lines)")
+    assert "witness dq[0,0,0,0]: not run: the witness case was not selected" in text
+    assert "n/a varlen: varlen packs need cu_seqlens" in text
+    text = check(eager_bf16_attention, cases="softcap", device="cpu").explain()  # not a gauge-regime case
+    assert "dq error, worst gauge-regime case: not run: no gauge-regime case was selected" in text
+
+
 # -------------------------------------------------------------------------------------------- the pytest fixture
 def test_fixture_passes_a_corrected_kernel(gproj_audit):
     report = gproj_audit(gproj_wrapped_attention, cases="witness,key_offset_128,window", device="cpu")
