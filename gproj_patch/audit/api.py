@@ -89,6 +89,15 @@ class Report:
         else:
             lines.append(f"  witness dq[0,0,0,0]: {f['witness_dq0']} (exact 0, bound ±{f['witness_max']:.3g}) "
                          f"{verdict(self.criteria['pass_witness'])}")
+        if f["worst_do_layout"] is None:
+            lines.append("  dO layouts (contiguous vs a (B, S, H, D) view): not run: "
+                         + ("no do_layout_* case ran (see the n/a lines)"
+                            if any(c.name.startswith("do_layout_") for c in self.cases)
+                            else "no do_layout_* case was selected"))
+        else:
+            lines.append(f"  dO layouts (contiguous vs a (B, S, H, D) view), gradients apart: "
+                         f"{pct(f['worst_do_layout'])} [{f['worst_do_layout_case']}] (bound {pct(f['do_layout_max'])}) "
+                         f"{verdict(self.criteria['pass_do_layout'])}")
         lines += [f"  n/a {name}: {why}" for name, why in f["not_run"].items()]
         return "\n".join(lines)
 

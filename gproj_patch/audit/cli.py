@@ -41,15 +41,19 @@ JSON (``--json PATH``), one object:
   ``expected`` (exact facts, the witness), ``format_in_range`` (``Case.in_range`` for the dtype),
   ``results``: {backend: {``status`` "ok"|"n/a"|"error", ``reason`` (for n/a and error), ``dq``, ``dk``,
   ``dv``, ``gauge`` (floats, for ok), ``dq_abs``, ``dk_abs``, ``dv_abs`` (bools), ``seconds``, and for the
-  witness ``witness_dq0`` (the computed dq[0,0,0,0]), ``warnings`` (distinct warning lines the call raised,
-  kept here instead of printed)}}}];
+  witness ``witness_dq0`` (the computed dq[0,0,0,0]), for the dO-layout cases ``do_layouts`` ([{``layout``,
+  ``dq``, ``dk``, ``dv``}] per backward, in the order run; ``dq``/``dk``/``dv`` above are the worst of them) and
+  ``do_layout_spread`` (max over dq, dk, dv of ‖g(2nd layout) − g(1st)‖ / ‖ref‖), ``warnings`` (distinct
+  warning lines the call raised, kept here instead of printed)}}}];
   ``checks``: {``unit_roundoff``, the bounds ``uncorrected_dq_min``, ``gproj_dq_max``, ``fp32_tier_dq_max``;
   ``uncorrected_dq_at_128sigma``, ``gproj_worst_gauge_regime_dq`` and its ``..._case``,
   ``gproj_out_of_range_cases`` (gauge-regime cases left out of the GProj criterion, see below),
-  ``fp32_tier_worst_gauge_regime_dq`` and its ``..._case``; ``pass_uncorrected_leaks``, ``pass_gproj``,
-  ``pass_fp32_tier``: true / false, or null where the case or backend it needs did not run; ``plugins``:
-  {spec: ``run.plugin_checks``'s fields (``worst_dq``, ``worst_gauge``, ``witness_dq0``, the bounds, ``not_run``,
-  ``pass_dq``, ``pass_gauge``, ``pass_witness``)}}.
+  ``fp32_tier_worst_gauge_regime_dq`` and its ``..._case``; ``do_layout_max``, ``do_layout_spread`` ({backend:
+  worst spread} of the built-in backends), ``do_layout_failed``; ``pass_uncorrected_leaks``, ``pass_gproj``,
+  ``pass_fp32_tier``, ``pass_do_layout``: true / false, or null where the case or backend it needs did not run;
+  ``plugins``: {spec: ``run.plugin_checks``'s fields (``worst_dq``, ``worst_gauge``, ``witness_dq0``,
+  ``worst_do_layout``, the bounds, ``not_run``, ``pass_dq``, ``pass_gauge``, ``pass_witness``,
+  ``pass_do_layout``)}}.
   The file is strict JSON: a non-finite error (a backend returning inf/NaN) is written as "inf" or "nan".
 
 Done criteria (``checks``). An uncorrected kernel's leak and GProj's residual error both come from rounding
@@ -63,7 +67,12 @@ of u, and FP16's (u = 2^-11) are the same multiples:
     FP16 0.027% ≈ 0.56u). Left out, and listed: FP16 on ``sink_offset_64``, whose e^-20 probabilities lie
     below FP16's smallest subnormal 2^-24 and flush to 0 (a range limit: ≈ 1.4% dq with or without GProj);
   * the FP32 tier's dq error is at most 1e-3 on every gauge-regime case, for both formats: it computes in
-    FP32 whatever the input format, so its bound does not depend on u (measured worst: 1.3e-4).
+    FP32 whatever the input format, so its bound does not depend on u (measured worst: 1.3e-4);
+  * every built-in backend that ran the dO-layout cases (``do_layout_bhsd_bshd``, ``do_layout_bshd_bhsd``:
+    diffuse inputs at a shape no other case uses, one backward with dO contiguous (B, H, S, D) and one with
+    the same values as a (B, S, H, D) view, in both orders) gives gradients within 2.56·u of each other (two
+    backwards, each within 1.28·u of fp64). A backend that keeps per-shape state and reads the second call's
+    dO with the first call's strides is off by O(1). Measured on a CPU: 0 for every backend.
 
 Exit status: 0 when the audit ran (whatever the errors it measured); with ``--strict`` 1 when a criterion
 that ran failed (a plugin's included) and 3 when none could run (the selected cases or backends leave every

@@ -86,6 +86,13 @@ def render_checks(ch: dict, dtype: str = "bf16", stream=None) -> None:
     print(_criterion("FP32 tier worst gauge-regime dq", ch["fp32_tier_worst_gauge_regime_dq"],
                      ch["fp32_tier_worst_gauge_regime_case"], f"≤ {_pct(ch['fp32_tier_dq_max'])}",
                      ch["pass_fp32_tier"], "a gauge-regime case with fp32-tier"), file=stream)
+    spread = ch.get("do_layout_spread", {})
+    worst = max(spread.items(), key=lambda kv: kv[1]) if spread else (None, None)
+    failed = ch.get("do_layout_failed", [])
+    print(_criterion("same gradients for dO contiguous and as a (B, S, H, D) view, worst backend",
+                     worst[1], worst[0], f"≤ {_pct(ch['do_layout_max'])}", ch["pass_do_layout"],
+                     "a do_layout_* case with a built-in backend")
+          + (f"; beyond it: {', '.join(f'{b} {_pct(spread[b])}' for b in failed)}" if failed else ""), file=stream)
     for name, pc in ch.get("plugins", {}).items():
         parts = [_criterion("worst gauge-regime dq", pc["worst_dq"], pc["worst_dq_case"], f"≤ {_pct(pc['dq_max'])}",
                             pc["pass_dq"], "a gauge-regime case"),
@@ -93,7 +100,9 @@ def render_checks(ch: dict, dtype: str = "bf16", stream=None) -> None:
                             pc["pass_gauge"], "a gauge-regime case"),
                  ("witness dq[0,0,0,0]: not run (needs the witness case) — want 0" if pc["witness_dq0"] is None else
                   f"witness dq[0,0,0,0] {pc['witness_dq0']} (want 0, within ±{pc['witness_max']:.3g}) "
-                  f"{'PASS' if pc['pass_witness'] else 'FAIL'}")]
+                  f"{'PASS' if pc['pass_witness'] else 'FAIL'}"),
+                 _criterion("dO layouts", pc["worst_do_layout"], pc["worst_do_layout_case"],
+                            f"≤ {_pct(pc['do_layout_max'])}", pc["pass_do_layout"], "a do_layout_* case")]
         print(f"{name}: " + "; ".join(parts), file=stream)
 
 
