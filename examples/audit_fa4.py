@@ -1,5 +1,6 @@
 """Audit FlashAttention-4 (``flash_attn.cute``) with the audit's pytest fixture or ``check`` — GPU only
-(FA4 runs on Hopper/Blackwell).
+(FA4 runs on Hopper/Blackwell); elsewhere the script says what is missing and exits with status 1, the pytest
+test is skipped with that reason.
 
     python examples/audit_fa4.py
     python -m gproj_patch audit --layout bshd --backend examples/audit_fa4.py:fa4 --backend examples/audit_fa4.py:fa4_patched
@@ -39,14 +40,29 @@ def fa4_patched(q, k, v, attn_mask=None, is_causal=False, scale=None):
 
 def test_fa4_patched_keeps_the_conservation_law(gproj_audit):
     import pytest
-    import torch
-    if not torch.cuda.is_available():
-        pytest.skip("FA4 needs a CUDA GPU")
-    pytest.importorskip("flash_attn.cute")
+    why = unavailable_reason()
+    if why is not None:
+        pytest.skip(why)
     gproj_audit(fa4_patched, cases=CASES, layout="bshd", device="cuda")
 
 
+def unavailable_reason():
+    """Why FA4 cannot run here (None when it can): it needs a CUDA GPU and ``flash_attn.cute``."""
+    import torch
+    if not torch.cuda.is_available():
+        return f"needs CUDA: FA4 runs on Hopper/Blackwell GPUs, and torch {torch.__version__} sees no CUDA GPU here"
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - not installed, or a broken CUDA extension: say which
+        return f"needs flash_attn.cute (pip install flash-attn-4): {type(e).__name__}: {e}"
+    return None
+
+
 def main() -> int:
+    why = unavailable_reason()
+    if why is not None:  # a clean line and status 1, not a traceback from inside the audit
+        print(f"audit_fa4.py: {why}", file=sys.stderr)
+        return 1
     reports = [check(fn, cases=CASES, layout="bshd", device="cuda") for fn in (fa4, fa4_patched)]
     for report in reports:
         print(report.explain(), end="\n\n")

@@ -2,8 +2,12 @@
 only in fp16 through Triton's interpreter (``TRITON_INTERPRET=1``; its bf16 is not exact).
 
     python examples/audit_triton.py                               # CUDA: bf16
-    TRITON_INTERPRET=1 python examples/audit_triton.py --fp16      # CPU, interpreted (a few cases, slow)
+    TRITON_INTERPRET=1 python examples/audit_triton.py --fp16      # CPU, interpreted (two cases, ~20 s)
     python -m gproj_patch audit --backend examples/audit_triton.py:triton_attention
+
+On a CPU without ``TRITON_INTERPRET=1`` (Triton then has no driver to launch on) the script says so and exits
+with status 1; under the interpreter in bf16 it does the same (the interpreter's bf16 is wrong, its fp16 exact:
+the audit would measure the interpreter, not the kernel).
 
 Like every FA-style backward, ``_bwd_kernel`` rounds dS = P ∘ (dP − D) to the input format before its two
 products (``ds.to(q.dtype)``): dS's rows no longer sum to zero, and dq picks up α·ρ_i·(mean key). The audit
@@ -13,6 +17,7 @@ of two); other cases raise and are reported n/a.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -138,6 +143,8 @@ class _TritonAttention(torch.autograd.Function):
 def triton_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):
     """SDPA's signature: (B, H, S, D) bf16/fp16 tensors, dense or causal with Sq == Sk."""
     D = q.shape[-1]
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise NotImplementedError("CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter) set before start")
     if attn_mask is not None:
         raise NotImplementedError("this kernel takes no dense mask")
     if is_causal and q.shape[2] != k.shape[2]:
@@ -147,10 +154,24 @@ def triton_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):
     return _TritonAttention.apply(q, k, v, bool(is_causal), float(D ** -0.5 if scale is None else scale))
 
 
+def cpu_reason(fp16: bool):
+    """Why this example cannot run on the CPU as asked (None when it can)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return ("needs CUDA, or Triton's interpreter on the CPU in fp16: "
+                "TRITON_INTERPRET=1 python examples/audit_triton.py --fp16")
+    if not fp16:
+        return "add --fp16: Triton's interpreter computes bf16 wrongly (its fp16 is exact)"
+    return None
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     fp16 = "--fp16" in argv
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    why = cpu_reason(fp16) if device == "cpu" else None
+    if why is not None:  # one clean line, not every case reported n/a with Triton's driver error
+        print(f"audit_triton.py: {why}", file=sys.stderr)
+        return 1
     cases = "witness,key_offset_128" if device == "cpu" else "witness,diffuse,key_offset_*,sink_offset_64,gqa"
     report = check(triton_attention, cases=cases, dtype="fp16" if fp16 else "bf16", device=device)
     print(report.explain())

@@ -2,7 +2,8 @@
 
 * ``check(fn, cases=..., dtype=..., device=...) -> Report``: audit your own attention function (``api.py``);
 * ``main``: the command line, ``python -m gproj_patch audit`` / ``gproj-audit`` (``cli.py``);
-* the pytest fixture ``gproj_audit`` (``pytest_plugin.py``, registered through the ``pytest11`` entry point).
+* the pytest fixture ``gproj_audit`` (``pytest_plugin.py``, registered through the ``pytest11`` entry point);
+* ``DeviceUnavailableError``: raised by ``check`` for a device this machine lacks (``run.py``).
 
 The names are resolved on first use: pytest imports ``gproj_patch.audit.pytest_plugin`` (hence this package) at
 the start of every run in an environment with gproj_patch installed, and that must not import torch.
@@ -15,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .api import CaseResult, Report, check
     from .cli import main
+    from .run import DeviceUnavailableError
 
-__all__ = ("check", "Report", "CaseResult", "main")
-_WHERE = MappingProxyType({"check": "api", "Report": "api", "CaseResult": "api", "main": "cli"})
+__all__ = ("check", "Report", "CaseResult", "main", "DeviceUnavailableError")
+_WHERE = MappingProxyType({"check": "api", "Report": "api", "CaseResult": "api", "main": "cli",
+                           "DeviceUnavailableError": "run"})
 
 
 def __getattr__(name: str) -> Any:

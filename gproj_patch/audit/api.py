@@ -21,7 +21,7 @@ import torch
 from ..version import __version__
 from .cases import select_cases
 from .plugin import LAYOUTS, plugin_backend
-from .run import DTYPES, criteria, finite_json, plugin_checks, run_case, torch_threads
+from .run import DTYPES, criteria, finite_json, plugin_checks, resolve_device, run_case, torch_threads
 
 DEFAULT_CASES = None  # every case of the suite (quick shapes: seconds on a CPU for an eager BF16 attention)
 
@@ -60,20 +60,44 @@ class Report:
         return bool(ran) and all(ran)
 
     def explain(self) -> str:
-        """Plain-English lines: each criterion with its measured figure and bound, then the n/a cases."""
+        """Plain-English lines: each criterion with its measured figure and bound (or why it did not run), then
+        the n/a cases."""
         f = self.figures
-        pct = lambda x: "-" if x is None else f"{100 * x:.3g}%"  # noqa: E731
-        verdict = lambda v: "not run" if v is None else ("PASS" if v else "FAIL")  # noqa: E731
+        pct = lambda x: f"{100 * x:.3g}%"  # noqa: E731
+        verdict = lambda v: "PASS" if v else "FAIL"  # noqa: E731
         ran = any(v is not None for v in self.criteria.values())
         outcome = "passed" if self.passed else ("FAILED" if ran else "no criterion could run")
-        lines = [f"{self.backend} ({self.dtype} on {self.device}): {outcome}",
-                 f"  dq error, worst gauge-regime case: {pct(f['worst_dq'])} [{f['worst_dq_case']}] "
-                 f"(bound {pct(f['dq_max'])}) {verdict(self.criteria['pass_dq'])}",
-                 f"  gauge error (dq under a common key translation): {pct(f['worst_gauge'])} "
-                 f"[{f['worst_gauge_case']}] (bound {pct(f['gauge_max'])}) {verdict(self.criteria['pass_gauge'])}",
-                 f"  witness dq[0,0,0,0]: {'-' if f['witness_dq0'] is None else f['witness_dq0']} (exact 0, bound "
-                 f"±{'-' if f['witness_max'] is None else f['witness_max']}) "
-                 f"{verdict(self.criteria['pass_witness'])}"]
+        gauge_cases = [c for c in self.cases if c.gauge_regime]
+        no_gauge_case = ("not run: no gauge-regime case was selected" if not gauge_cases else
+                         "not run: no gauge-regime case the format can hold ran (see the n/a lines)")
+        witness = [c for c in self.cases if c.name == "witness"]
+        lines = [f"{self.backend} ({self.dtype} on {self.device}): {outcome}"]
+        if f["worst_dq"] is None:
+            lines.append(f"  dq error, worst gauge-regime case: {no_gauge_case}")
+        else:
+            lines.append(f"  dq error, worst gauge-regime case: {pct(f['worst_dq'])} [{f['worst_dq_case']}] "
+                         f"(bound {pct(f['dq_max'])}) {verdict(self.criteria['pass_dq'])}")
+        if f["worst_gauge"] is None:
+            lines.append(f"  gauge error (dq under a common key translation): {no_gauge_case}")
+        else:
+            lines.append(f"  gauge error (dq under a common key translation): {pct(f['worst_gauge'])} "
+                         f"[{f['worst_gauge_case']}] (bound {pct(f['gauge_max'])}) "
+                         f"{verdict(self.criteria['pass_gauge'])}")
+        if f["witness_dq0"] is None:
+            lines.append("  witness dq[0,0,0,0]: not run: " + ("the witness case did not run (see its n/a line)"
+                                                                   if witness else "the witness case was not selected"))
+        else:
+            lines.append(f"  witness dq[0,0,0,0]: {f['witness_dq0']} (exact 0, bound ±{f['witness_max']:.3g}) "
+                         f"{verdict(self.criteria['pass_witness'])}")
+        if f["worst_do_layout"] is None:
+            lines.append("  dO layouts (contiguous vs a (B, S, H, D) view): not run: "
+                         + ("no do_layout_* case ran (see the n/a lines)"
+                            if any(c.name.startswith("do_layout_") for c in self.cases)
+                            else "no do_layout_* case was selected"))
+        else:
+            lines.append(f"  dO layouts (contiguous vs a (B, S, H, D) view), gradients apart: "
+                         f"{pct(f['worst_do_layout'])} [{f['worst_do_layout_case']}] (bound {pct(f['do_layout_max'])}) "
+                         f"{verdict(self.criteria['pass_do_layout'])}")
         lines += [f"  n/a {name}: {why}" for name, why in f["not_run"].items()]
         return "\n".join(lines)
 
@@ -110,14 +134,14 @@ def check(fn: Callable, cases: Union[str, Sequence[str], None] = DEFAULT_CASES,
     "bhsd" or "bshd") against the fp64 oracle on the suite's ``cases`` (names or fnmatch patterns, a comma
     string or a list; all by default), inputs in ``dtype`` on ``device`` (default: cuda if available, else
     cpu). ``quick``: the suite's small shapes. ``threads``: torch CPU threads during the run (0: unchanged).
-    Bad arguments raise ValueError before anything runs."""
+    Bad arguments raise ValueError before anything runs; a device this machine lacks (``device="cuda"``
+    without a GPU) raises ``DeviceUnavailableError`` (a RuntimeError), also before anything runs."""
     dtype_name = _dtype_name(dtype)
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    dev = resolve_device(device)
     chosen = select_cases(cases if cases is None or isinstance(cases, str) else ",".join(cases))
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     backend = plugin_backend(label, fn, layout)

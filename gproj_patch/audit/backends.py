@@ -2,13 +2,15 @@
 
 On any device: the rounding-exact emulation of a fused low-precision backward (uncorrected, GProj), the FP32 tier
 (with and without the projection), PyTorch's SDPA backends; on CUDA also flash-attn when importable and the
-GProj Triton kernel. ``available_backends`` lists those that can run here and why the others cannot.
+GProj Triton kernel, which also runs on a CPU in fp16 through Triton's interpreter where the environment lets the
+patch run it there (``triton_cpu_kernel``). ``available_backends`` lists those that can run here and why the others
+cannot.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -133,9 +135,22 @@ def _flash(variant: str):
     return run
 
 
-def _triton_reason(inp: CaseInputs) -> Optional[str]:
-    from ..backends import triton_bwd
-    return triton_bwd.kernel_unsupported_reason(inp.q, inp.k, inp.v, **inp.mask)
+def triton_cpu_kernel(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the environment lets CPU tensors run the GProj kernel through Triton's interpreter, by the rule
+    ``enable()`` applies (``config.Config.cpu_kernel``: GPROJ_TIER=triton, or TRITON_INTERPRET set), so that
+    the audit's Triton rows run wherever the patch itself would run the kernel. Only these two variables are
+    read: an unrelated bad GPROJ_* value is not the audit's concern. ValueError on a bad GPROJ_TIER."""
+    environ = os.environ if environ is None else environ
+    from ..runtime import config
+    return config.resolve(environ={n: environ[n] for n in (config.ENV["tier"], "TRITON_INTERPRET")
+                                   if n in environ}).cpu_kernel
+
+
+def _triton_reason(cpu_kernel: bool):
+    def reason(inp: CaseInputs) -> Optional[str]:
+        from ..backends import triton_bwd
+        return triton_bwd.kernel_unsupported_reason(inp.q, inp.k, inp.v, cpu_kernel=cpu_kernel, **inp.mask)
+    return reason
 
 
 def _triton(correct: bool):
@@ -147,8 +162,10 @@ def _triton(correct: bool):
     return run
 
 
-def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[Backend], Dict[str, str]]:
-    """The backends that run on ``device`` and, for the rest, why not."""
+def available_backends(device: torch.device, dtype: torch.dtype, environ: Optional[Mapping[str, str]] = None
+                       ) -> Tuple[List[Backend], Dict[str, str]]:
+    """The backends that run on ``device`` and, for the rest, why not. ``environ`` (default ``os.environ``):
+    where GPROJ_TIER and TRITON_INTERPRET are read (``triton_cpu_kernel``); ValueError on a bad GPROJ_TIER."""
     backends = [Backend("emulated-uncorrected", _emulated(False)), Backend("emulated-gproj", _emulated(True)),
                 Backend("emulated-gproj-fused", _emulated(True, "fused")), Backend("fp32-tier", _fp32(True)),
                 Backend("fp32-plain", _fp32(False))]
@@ -178,19 +195,19 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> Tuple[List[B
             backends.append(Backend(name, run, reason))
     except Exception as e:  # noqa: BLE001 - a torch without flex_attention: say why
         skipped["flex"] = f"flex_attention not available ({type(e).__name__}: {e})"
-    interp = os.environ.get("GPROJ_TIER") == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    interp = not cuda and triton_cpu_kernel(environ)
     if not cuda and not interp:
         skipped["triton"] = "needs CUDA (or GPROJ_TIER=triton TRITON_INTERPRET=1 with --dtype fp16)"
     elif not cuda and dtype != torch.float16:
-        skipped["triton"] = "Triton's CPU interpreter is exact for fp16 only"
+        # its bf16 casts truncate and its bf16 tl.dot computes on raw bits: rows would be garbage, not findings
+        skipped["triton"] = ("Triton's CPU interpreter computes bf16 wrongly (its fp16 is exact): audit the kernel "
+                             "on a CPU with --dtype fp16, in bf16 on CUDA")
     else:
         try:
             from ..backends import triton_bwd  # noqa: F401
-            backends.append(Backend("triton-uncorrected", _triton(False), _triton_reason))
-            backends.append(Backend("triton-gproj", _triton(True), _triton_reason))
         except Exception as e:
             skipped["triton"] = f"gproj_patch.backends.triton_bwd not importable ({type(e).__name__}: {e})"
+        else:
+            backends.append(Backend("triton-uncorrected", _triton(False), _triton_reason(interp)))
+            backends.append(Backend("triton-gproj", _triton(True), _triton_reason(interp)))
     return backends, skipped
-
-
-# ---------------------------------------------------------------------------------------------------- metrics

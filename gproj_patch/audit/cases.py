@@ -20,6 +20,9 @@ API::
                                          # they are tiny (sink: e^-20), else None
     case.in_range(torch.float16)         # False when those probabilities underflow in that format (below its
                                          # smallest subnormal): a range limit of the format, not a gauge leak
+    case.do_layouts                      # () for one backward per key set; ("bhsd", "bshd"): the engine runs the
+                                         # backward at these keys once per dO layout, in this order, at a shape
+                                         # no other case uses (with_do_layout; run.py)
 
 ``CASES`` is a tuple in a fixed order; ``select_cases("key_offset_*,sink*")`` filters by comma-separated names
 or fnmatch patterns (ValueError on a pattern that matches nothing). Builders draw everything in fp64 from a
@@ -36,7 +39,7 @@ import fnmatch
 import math
 import zlib
 from types import MappingProxyType
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -54,6 +57,7 @@ class CaseInputs:
     do: torch.Tensor
     mask: Dict[str, object] = field(default_factory=dict)
     expected: Dict[str, object] = field(default_factory=dict)
+    do_layouts: Tuple[str, ...] = ()
 
     @property
     def shape(self) -> Dict[str, int]:
@@ -70,6 +74,7 @@ class Case:
     description: str
     sweep: bool = False
     smallest_p: Optional[float] = None
+    do_layouts: Tuple[str, ...] = ()
 
     def in_range(self, dtype) -> bool:
         """Whether the probabilities that carry this case's true gradient survive rounding to ``dtype``: False
@@ -87,7 +92,7 @@ class Case:
         dev = torch.device(device)
         t = {n: x.to(dtype).to(dev) for n, x in tensors.items()}
         mask = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in mask.items()}
-        return CaseInputs(t["q"], t["k"], t["v"], t["do"], mask, expected)
+        return CaseInputs(t["q"], t["k"], t["v"], t["do"], mask, expected, self.do_layouts)
 
 
 class _Draw:
@@ -197,6 +202,33 @@ def _varlen(d: _Draw, quick: bool):
     return t, {"causal": True, "causal_align": "bottom_right", "cu_seqlens_q": cq, "cu_seqlens_k": ck}, {}
 
 
+#: dO's memory layouts a case can ask for: "bhsd", contiguous (B, H, S, D); "bshd", the same values as a
+#: (B, H, S, D) view of a contiguous (B, S, H, D) tensor — the gradient of an ``out.transpose(1, 2)`` that a model
+#: reshapes to (B, S, H·D), the layout most training code hands the attention backward
+DO_LAYOUTS = ("bhsd", "bshd")
+
+
+def with_do_layout(inp: CaseInputs, layout: str) -> CaseInputs:
+    """``inp`` with dO in ``layout`` (``DO_LAYOUTS``): the same values, other strides."""
+    if layout == "bhsd":
+        do = inp.do.contiguous()
+    elif layout == "bshd":
+        do = inp.do.transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        raise ValueError(f"dO layout {layout!r}: expected one of {', '.join(DO_LAYOUTS)}")
+    return replace(inp, do=do)
+
+
+def _layout_pair(S: Tuple[int, int]):
+    """Diffuse inputs at sequence length S (full, quick), a length no other case uses: a backend that caches
+    per-shape state (cuDNN's execution plans) meets this shape first in these cases, in the dO layout they
+    name first, whatever ran before."""
+    def build(d: _Draw, quick: bool):
+        B, H, _ = _sizes(quick)
+        return _standard(d, B, H, H, S[quick], S[quick]), {}, {}
+    return build
+
+
 def witness_parameters(dtype) -> Dict[str, float]:
     """ε (BF16/FP16 rounds 1 + ε to 1) and the common key coordinate K0 of the four-key witness."""
     if dtype == torch.float16:
@@ -229,8 +261,8 @@ def _witness(d: _Draw, quick: bool):
     return {"q": q, "k": k, "v": v, "do": do}, {}, expected
 
 
-def _case(name, builder, gauge, offset, desc, sweep=False, smallest_p=None) -> Case:
-    return Case(name, builder, gauge, offset, desc, sweep, smallest_p)
+def _case(name, builder, gauge, offset, desc, sweep=False, smallest_p=None, do_layouts=()) -> Case:
+    return Case(name, builder, gauge, offset, desc, sweep, smallest_p, tuple(do_layouts))
 
 
 CASES: Tuple[Case, ...] = (
@@ -259,6 +291,12 @@ CASES: Tuple[Case, ...] = (
     _case("softcap", _shaped((256, 128), (256, 128), softcap=30.0), False, 8.0,
           "softcap 30 with a key offset 8σ (tanh breaks the gauge symmetry)"),
     _case("witness", _witness, True, None, "the four-key witness (docs/math.md): exact dq coordinate 0"),
+    _case("do_layout_bhsd_bshd", _layout_pair((448, 112)), True, 0.0,
+          "two backwards at one new shape: dO contiguous (B, H, S, D), then the same dO as a (B, S, H, D) view",
+          do_layouts=("bhsd", "bshd")),
+    _case("do_layout_bshd_bhsd", _layout_pair((416, 104)), True, 0.0,
+          "two backwards at one new shape: dO as a (B, S, H, D) view, then the same dO contiguous (B, H, S, D)",
+          do_layouts=("bshd", "bhsd")),
 )
 
 _BY_NAME = MappingProxyType({c.name: c for c in CASES})

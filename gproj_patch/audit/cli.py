@@ -10,8 +10,9 @@ without it, for contrast) and ``sdpa-flash`` (PyTorch's fused flash backward thr
 ``torch.nn.attention.sdpa_kernel`` + autograd; PyTorch has one on the CPU too). The emulated backends take
 the saved O and LSE from ``emulated_forward``. On CUDA also ``sdpa-efficient``, ``sdpa-cudnn``, ``fa2``
 (flash_attn), ``fa3`` (flash_attn_interface), ``fa4`` (flash_attn.cute) when importable, and
-``triton-uncorrected`` / ``triton-gproj`` when ``gproj_patch.backends.triton_bwd`` imports (on CPU only with
-GPROJ_TIER=triton, TRITON_INTERPRET=1 and ``--dtype fp16``; given the emulated forward's O and LSE, and
+``triton-uncorrected`` / ``triton-gproj`` when ``gproj_patch.backends.triton_bwd`` imports (on CPU through
+Triton's interpreter, with ``--dtype fp16`` and GPROJ_TIER=triton or TRITON_INTERPRET=1 — the rule ``enable()``
+applies — and never in bf16, which the interpreter computes wrongly; given the emulated forward's O and LSE, and
 ``kernel_unsupported_reason`` decides n/a). A backend that cannot express a case (e.g. SDPA with a sliding
 window) is reported as ``n/a`` with the reason. The fused kernels return gradients in the input dtype, so
 their errors include that final rounding (≈ u/2); the emulation and the FP32 tier return fp32.
@@ -40,15 +41,19 @@ JSON (``--json PATH``), one object:
   ``expected`` (exact facts, the witness), ``format_in_range`` (``Case.in_range`` for the dtype),
   ``results``: {backend: {``status`` "ok"|"n/a"|"error", ``reason`` (for n/a and error), ``dq``, ``dk``,
   ``dv``, ``gauge`` (floats, for ok), ``dq_abs``, ``dk_abs``, ``dv_abs`` (bools), ``seconds``, and for the
-  witness ``witness_dq0`` (the computed dq[0,0,0,0]), ``warnings`` (distinct warning lines the call raised,
-  kept here instead of printed)}}}];
+  witness ``witness_dq0`` (the computed dq[0,0,0,0]), for the dO-layout cases ``do_layouts`` ([{``layout``,
+  ``dq``, ``dk``, ``dv``}] per backward, in the order run; ``dq``/``dk``/``dv`` above are the worst of them) and
+  ``do_layout_spread`` (max over dq, dk, dv of ‖g(2nd layout) − g(1st)‖ / ‖ref‖), ``warnings`` (distinct
+  warning lines the call raised, kept here instead of printed)}}}];
   ``checks``: {``unit_roundoff``, the bounds ``uncorrected_dq_min``, ``gproj_dq_max``, ``fp32_tier_dq_max``;
   ``uncorrected_dq_at_128sigma``, ``gproj_worst_gauge_regime_dq`` and its ``..._case``,
   ``gproj_out_of_range_cases`` (gauge-regime cases left out of the GProj criterion, see below),
-  ``fp32_tier_worst_gauge_regime_dq`` and its ``..._case``; ``pass_uncorrected_leaks``, ``pass_gproj``,
-  ``pass_fp32_tier``: true / false, or null where the case or backend it needs did not run; ``plugins``:
-  {spec: ``run.plugin_checks``'s fields (``worst_dq``, ``worst_gauge``, ``witness_dq0``, the bounds, ``not_run``,
-  ``pass_dq``, ``pass_gauge``, ``pass_witness``)}}.
+  ``fp32_tier_worst_gauge_regime_dq`` and its ``..._case``; ``do_layout_max``, ``do_layout_spread`` ({backend:
+  worst spread} of the built-in backends), ``do_layout_failed``; ``pass_uncorrected_leaks``, ``pass_gproj``,
+  ``pass_fp32_tier``, ``pass_do_layout``: true / false, or null where the case or backend it needs did not run;
+  ``plugins``: {spec: ``run.plugin_checks``'s fields (``worst_dq``, ``worst_gauge``, ``witness_dq0``,
+  ``worst_do_layout``, the bounds, ``not_run``, ``pass_dq``, ``pass_gauge``, ``pass_witness``,
+  ``pass_do_layout``)}}.
   The file is strict JSON: a non-finite error (a backend returning inf/NaN) is written as "inf" or "nan".
 
 Done criteria (``checks``). An uncorrected kernel's leak and GProj's residual error both come from rounding
@@ -62,7 +67,12 @@ of u, and FP16's (u = 2^-11) are the same multiples:
     FP16 0.027% ≈ 0.56u). Left out, and listed: FP16 on ``sink_offset_64``, whose e^-20 probabilities lie
     below FP16's smallest subnormal 2^-24 and flush to 0 (a range limit: ≈ 1.4% dq with or without GProj);
   * the FP32 tier's dq error is at most 1e-3 on every gauge-regime case, for both formats: it computes in
-    FP32 whatever the input format, so its bound does not depend on u (measured worst: 1.3e-4).
+    FP32 whatever the input format, so its bound does not depend on u (measured worst: 1.3e-4);
+  * every built-in backend that ran the dO-layout cases (``do_layout_bhsd_bshd``, ``do_layout_bshd_bhsd``:
+    diffuse inputs at a shape no other case uses, one backward with dO contiguous (B, H, S, D) and one with
+    the same values as a (B, S, H, D) view, in both orders) gives gradients within 2.56·u of each other (two
+    backwards, each within 1.28·u of fp64). A backend that keeps per-shape state and reads the second call's
+    dO with the first call's strides is off by O(1). Measured on a CPU: 0 for every backend.
 
 Exit status: 0 when the audit ran (whatever the errors it measured); with ``--strict`` 1 when a criterion
 that ran failed (a plugin's included) and 3 when none could run (the selected cases or backends leave every
@@ -88,8 +98,8 @@ from .backends import Backend, available_backends
 from .cases import Case, select_cases
 from .plugin import LAYOUTS, PluginError, load_backend
 from .report import render_checks, render_table, write_plot
-from .run import (DTYPES, GAUGE_MAX_U, GPROJ_MAX_U, TRANSLATION_SIGMA, checks, finite_json, plural, run_case,
-                  strict_status, torch_threads)
+from .run import (DTYPES, GAUGE_MAX_U, GPROJ_MAX_U, TRANSLATION_SIGMA, DeviceUnavailableError, checks, finite_json,
+                  plural, resolve_device, run_case, strict_status, torch_threads)
 
 DESCRIPTION = ("Attention-gradient errors of every backend available here (and of your own attention functions, "
                "--backend MODULE:FUNCTION) on a named adversarial suite, against an fp64 oracle.")
@@ -106,7 +116,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    p = parser or OneLineParser(prog="python -m gproj_patch audit")
+    p = parser or OneLineParser(prog="python -m gproj_patch audit")  # main() passes the name it was invoked as
     p.description, p.epilog = DESCRIPTION, EPILOG
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input precision (default bf16)")
@@ -150,17 +160,12 @@ class Plan:
 
 
 def _parse_device(p: argparse.ArgumentParser, name: Optional[str]) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError) as e:
-        p.error(f"bad --device {name!r}: {e}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {name}: CUDA is not available on this machine")
-    if dev.type not in ("cpu", "cuda"):
-        p.error(f"--device {name}: only cpu and cuda are supported")
-    return dev
+        return resolve_device(name)
+    except DeviceUnavailableError as e:
+        p.error(f"--device {name}: {e.why}")
+    except ValueError as e:
+        p.error(f"--device {name}: {e}")
 
 
 def _check_output(p: argparse.ArgumentParser, flag: str, path: Optional[str]) -> None:
@@ -183,7 +188,10 @@ def plan(args: argparse.Namespace, p: argparse.ArgumentParser) -> Plan:
         cases = select_cases(args.cases)
     except ValueError as e:
         p.error(str(e))
-    backends, skipped = available_backends(device, DTYPES[args.dtype])
+    try:
+        backends, skipped = available_backends(device, DTYPES[args.dtype])
+    except ValueError as e:  # a bad GPROJ_TIER
+        p.error(str(e))
     if args.backends or args.plugins:
         pats = [x.strip() for x in (args.backends or "").split(",") if x.strip()]
         bad = [pt for pt in pats if not any(fnmatch.fnmatchcase(b.name, pt) for b in backends)]
@@ -258,6 +266,31 @@ def _list(pl: Plan) -> int:
     return 0
 
 
+def _report_warnings(results: List[dict], json_path: Optional[str]) -> None:
+    """Where the audited calls' warnings went: with --json, that file's ``warnings`` fields; without, each
+    distinct line printed here once, with the results it came from (never to stderr: the audit makes these
+    calls on purpose with unusual inputs, so their advice is about the audit's call, not the user's code)."""
+    by_line: Dict[str, List[str]] = {}
+    warned = 0
+    for c in results:
+        for backend, r in c["results"].items():
+            warned += bool(r.get("warnings"))
+            for line in r.get("warnings", ()):
+                by_line.setdefault(line, []).append(f"{c['name']}/{backend}")
+    if not warned:
+        return
+    head = f"{plural(warned, 'result')} came with warnings from the audited calls"
+    if json_path:
+        print(f"{head} (kept in {json_path}, field 'warnings' of each result)")
+        return
+    print(f"{head} (raised by the audited functions on the audit's inputs; --json PATH keeps them with each "
+          "result):")
+    for line, where in by_line.items():
+        shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        print(textwrap.fill(f"{line} [{shown}]", 116, initial_indent="  ", subsequent_indent="    ",
+                            break_long_words=False, break_on_hyphens=False))  # names and paths stay whole
+
+
 def run_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     pl = plan(args, parser)
     if args.list:
@@ -278,10 +311,7 @@ def _run(args: argparse.Namespace, pl: Plan) -> int:
     print(textwrap.fill(f"{plural(len(results), 'case')} × {plural(len(names), 'backend')} on {pl.device} "
                         f"({args.dtype}{', quick' if args.quick else ''}) in {elapsed:.1f} s; not run here: "
                         + (", ".join(f"{n} ({w})" for n, w in pl.skipped.items()) or "none"), 116))
-    warned = sum(1 for c in results for r in c["results"].values() if r.get("warnings"))
-    if warned:
-        print(f"{plural(warned, 'result')} came with warnings from the audited calls (kept in the JSON, "
-              "field 'warnings')")
+    _report_warnings(results, args.json_path)
     doc = {"tool": "gproj_patch audit", "version": __version__, "torch": torch.__version__,
            "device": str(pl.device), "dtype": args.dtype, "quick": bool(args.quick), "seed": args.seed,
            "threads": torch.get_num_threads(), "elapsed_s": round(elapsed, 3),
@@ -304,9 +334,22 @@ def _run(args: argparse.Namespace, pl: Plan) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``gproj-audit`` and ``python -m gproj_patch.audit.cli``: the audit's own command line."""
-    parser = build_parser()
+def invoked_as(argv0: Optional[str] = None) -> str:
+    """The command the user typed, for usage and error lines (argparse's rule, the basename of argv[0], with two
+    exceptions): ``python -m gproj_patch.audit.cli`` for this module run with -m (argv[0] is then its path),
+    and ``gproj-audit`` where argv[0] names no script (``python -c``, an embedding)."""
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    if name == "cli.py":
+        return "python -m gproj_patch.audit.cli"
+    if not name or name in ("-c", "-m"):
+        return "gproj-audit"
+    return name[:-4] if name.lower().endswith(".exe") else name  # pip's launchers on Windows
+
+
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    """``gproj-audit`` and ``python -m gproj_patch.audit.cli``: the audit's own command line. ``prog``: the name
+    usage and error lines give the command (default: as invoked, ``invoked_as``)."""
+    parser = build_parser(OneLineParser(prog=prog or invoked_as()))
     args = parser.parse_args(argv)
     return run_audit(args, parser)
 

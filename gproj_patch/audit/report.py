@@ -63,26 +63,47 @@ def render_table(cases: List[dict], backends: List[str], stream=None) -> None:
         print(line(r), file=stream)
 
 
+def _criterion(label: str, value: Optional[float], case: Optional[str], want: str, verdict: Optional[bool],
+               needs: str) -> str:
+    """One criterion's words: its figure [case] (want ...) PASS/FAIL, or that it did not run and what it needs."""
+    if value is None:
+        return f"{label}: not run (needs {needs}) — want {want}"
+    return f"{label}: {_pct(value)}{f' [{case}]' if case else ''} (want {want}) {'PASS' if verdict else 'FAIL'}"
+
+
 def render_checks(ch: dict, dtype: str = "bf16", stream=None) -> None:
-    """The criteria lines: the built-in backends' (those whose input ran) and each plugin's."""
+    """The criteria lines: the built-in backends' (each with its figure, or what it needed to run) and each
+    plugin's."""
     stream = stream or sys.stdout
-    fmt = lambda x: "-" if x is None else _pct(x)  # noqa: E731
-    ok = lambda x: "(not run)" if x is None else ("PASS" if x else "FAIL")  # noqa: E731
-    print(f"uncorrected emulation dq @128σ: {fmt(ch['uncorrected_dq_at_128sigma'])} "
-          f"(want ≥ {_pct(ch['uncorrected_dq_min'])}) {ok(ch['pass_uncorrected_leaks'])}", file=stream)
+    print(_criterion("uncorrected emulation dq @128σ", ch["uncorrected_dq_at_128sigma"], None,
+                     f"≥ {_pct(ch['uncorrected_dq_min'])}", ch["pass_uncorrected_leaks"],
+                     "key_offset_128 with emulated-uncorrected"), file=stream)
     skipped = ch["gproj_out_of_range_cases"]
-    print(f"emulated GProj worst gauge-regime dq: {fmt(ch['gproj_worst_gauge_regime_dq'])} "
-          f"[{ch['gproj_worst_gauge_regime_case']}] (want ≤ {_pct(ch['gproj_dq_max'])}) {ok(ch['pass_gproj'])}"
+    print(_criterion("emulated GProj worst gauge-regime dq", ch["gproj_worst_gauge_regime_dq"],
+                     ch["gproj_worst_gauge_regime_case"], f"≤ {_pct(ch['gproj_dq_max'])}", ch["pass_gproj"],
+                     f"a gauge-regime case within {dtype}'s range with emulated-gproj")
           + (f"; beyond {dtype}'s range, not held to it: {', '.join(skipped)}" if skipped else ""), file=stream)
-    print(f"FP32 tier worst gauge-regime dq: {fmt(ch['fp32_tier_worst_gauge_regime_dq'])} "
-          f"[{ch['fp32_tier_worst_gauge_regime_case']}] (want ≤ {_pct(ch['fp32_tier_dq_max'])}) "
-          f"{ok(ch['pass_fp32_tier'])}", file=stream)
+    print(_criterion("FP32 tier worst gauge-regime dq", ch["fp32_tier_worst_gauge_regime_dq"],
+                     ch["fp32_tier_worst_gauge_regime_case"], f"≤ {_pct(ch['fp32_tier_dq_max'])}",
+                     ch["pass_fp32_tier"], "a gauge-regime case with fp32-tier"), file=stream)
+    spread = ch.get("do_layout_spread", {})
+    worst = max(spread.items(), key=lambda kv: kv[1]) if spread else (None, None)
+    failed = ch.get("do_layout_failed", [])
+    print(_criterion("same gradients for dO contiguous and as a (B, S, H, D) view, worst backend",
+                     worst[1], worst[0], f"≤ {_pct(ch['do_layout_max'])}", ch["pass_do_layout"],
+                     "a do_layout_* case with a built-in backend")
+          + (f"; beyond it: {', '.join(f'{b} {_pct(spread[b])}' for b in failed)}" if failed else ""), file=stream)
     for name, pc in ch.get("plugins", {}).items():
-        print(f"{name}: worst gauge-regime dq {fmt(pc['worst_dq'])} [{pc['worst_dq_case']}] "
-              f"(want ≤ {_pct(pc['dq_max'])}) {ok(pc['pass_dq'])}; gauge {fmt(pc['worst_gauge'])} "
-              f"[{pc['worst_gauge_case']}] (want ≤ {_pct(pc['gauge_max'])}) {ok(pc['pass_gauge'])}; "
-              f"witness dq[0,0,0,0] {'-' if pc['witness_dq0'] is None else pc['witness_dq0']} (want 0) "
-              f"{ok(pc['pass_witness'])}", file=stream)
+        parts = [_criterion("worst gauge-regime dq", pc["worst_dq"], pc["worst_dq_case"], f"≤ {_pct(pc['dq_max'])}",
+                            pc["pass_dq"], "a gauge-regime case"),
+                 _criterion("gauge", pc["worst_gauge"], pc["worst_gauge_case"], f"≤ {_pct(pc['gauge_max'])}",
+                            pc["pass_gauge"], "a gauge-regime case"),
+                 ("witness dq[0,0,0,0]: not run (needs the witness case) — want 0" if pc["witness_dq0"] is None else
+                  f"witness dq[0,0,0,0] {pc['witness_dq0']} (want 0, within ±{pc['witness_max']:.3g}) "
+                  f"{'PASS' if pc['pass_witness'] else 'FAIL'}"),
+                 _criterion("dO layouts", pc["worst_do_layout"], pc["worst_do_layout_case"],
+                            f"≤ {_pct(pc['do_layout_max'])}", pc["pass_do_layout"], "a do_layout_* case")]
+        print(f"{name}: " + "; ".join(parts), file=stream)
 
 
 def _series(sweep: List[dict], backends: List[str], metric: str):

@@ -12,23 +12,62 @@ import math
 import time
 import warnings
 from types import MappingProxyType
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 from ..backends.reference import reference_backward
 from ..backends.spec import unit_roundoff
 from .backends import Backend, NotApplicable, SavedForwards, case_format
-from .cases import CaseInputs
+from .cases import CaseInputs, with_do_layout
 
 DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 TRANSLATION_SIGMA = 16.0
 LEAK_MIN_U = 51.2  # the uncorrected dq error at 128σ must reach 51.2·u (BF16: 20%)
 GPROJ_MAX_U = 1.28  # emulated GProj's dq error stays within 1.28·u (BF16: 0.5%)
 GAUGE_MAX_U = 2.56  # a plugin's gauge error: two backwards each within 1.28·u of the oracle
+#: two backwards of the same inputs with dO in two layouts: each within 1.28·u of fp64, so at most 2.56·u apart
+#: (a backend that reads one layout's dO with the other's strides is off by O(1))
+DO_LAYOUT_MAX_U = GAUGE_MAX_U
 FP32_TIER_MAX = 1e-3  # the FP32 tier computes in FP32: one bound for every input format
 EXIT_FAILED, EXIT_NOTHING_RAN = 1, 3
 MAX_WARNINGS = 3  # distinct warning lines kept per result
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The audit was asked to run on a device this machine does not have (e.g. ``device="cuda"`` without a GPU).
+    ``check`` raises it before anything runs, the pytest fixture turns it into a skip, the CLI into exit 2.
+    ``device``: the device asked for; ``why``: what is missing and what to do instead."""
+
+    def __init__(self, device: str, why: str):
+        super().__init__(f"device {device!r}: {why}")
+        self.device, self.why = device, why
+
+
+def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
+    """The device the audit runs on: ``device``, or cuda if available, else cpu for None. ValueError for a name
+    torch does not parse or a device type the audit does not run on; ``DeviceUnavailableError`` for a device
+    this machine lacks, saying what to pass instead."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"bad device {device!r}: {e}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(dev)!r}: the audit runs on cpu or cuda")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DeviceUnavailableError(str(dev), (
+                f"CUDA is not available on this machine ({why}; torch {torch.__version__}). Run on a machine with "
+                "a CUDA GPU, or on the CPU (device 'cpu'; with no device given, the audit picks cuda if available, "
+                "else cpu)"))
+        if dev.index is not None and dev.index >= count:
+            raise DeviceUnavailableError(str(dev), f"this machine has {plural(count, 'CUDA device')} "
+                                                   f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    return dev
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> Tuple[float, bool]:
@@ -39,6 +78,16 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> Tuple[float, bool]:
     if not math.isfinite(err):
         return float("inf"), n == 0.0
     return (err / n, False) if n > 0 else (err, True)
+
+
+def _spread(x: torch.Tensor, y: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − y‖ / ‖ref‖ in fp64 (‖x − y‖ where ‖ref‖ = 0): how far two backwards of the same inputs differ."""
+    cpu64 = lambda t: t.detach().to("cpu", torch.float64)  # noqa: E731
+    n = float(cpu64(ref).norm())
+    d = float((cpu64(x) - cpu64(y)).norm())
+    if not math.isfinite(d):
+        return float("inf")  # NaN compares False with any bound: count it as the worst spread
+    return d / n if n > 0 else d
 
 
 def _translated_keys(inp: CaseInputs, seed: int) -> torch.Tensor:
@@ -79,11 +128,22 @@ def _run_backend(be: Backend, inp: CaseInputs, k2: torch.Tensor, refs, saved: Sa
         why = be.reason(inp)
         if why:
             raise NotApplicable(why)
-        g1 = be.run(inp, inp.k, saved)
-        g2 = be.run(inp, k2, saved)
+        if inp.do_layouts:  # one backward per dO layout, in the case's order, before any other call at this shape
+            runs = [(layout, be.run(with_do_layout(inp, layout), inp.k, saved)) for layout in inp.do_layouts]
+            g1 = runs[0][1]
+            g2 = be.run(with_do_layout(inp, inp.do_layouts[0]), k2, saved)
+        else:
+            runs = []
+            g1 = be.run(inp, inp.k, saved)
+            g2 = be.run(inp, k2, saved)
         res["status"] = "ok"
-        for name, x, r in zip(("dq", "dk", "dv"), g1, ref1):
-            res[name], res[f"{name}_abs"] = _rel(x, r)
+        for name, i in (("dq", 0), ("dk", 1), ("dv", 2)):  # the worst call's error: a misread dO shows here
+            res[name], res[f"{name}_abs"] = max((_rel(g[i], ref1[i]) for g in [g1] + [g for _, g in runs]),
+                                                key=lambda e: e[0])
+        if runs:
+            res["do_layouts"] = [{"layout": layout, **{n: _rel(g[i], ref1[i])[0] for n, i in
+                                                       (("dq", 0), ("dk", 1), ("dv", 2))}} for layout, g in runs]
+            res["do_layout_spread"] = max(_spread(g[i], g1[i], ref1[i]) for _, g in runs[1:] for i in range(3))
         n1 = float(ref1[0].norm())
         cpu64 = lambda x: x.detach().to("cpu", torch.float64)  # noqa: E731
         dd = (cpu64(g2[0]) - cpu64(g1[0])) - (cpu64(ref2[0]) - cpu64(ref1[0]))
@@ -142,7 +202,9 @@ def plugin_checks(cases: List[dict], backend: str, dtype: str) -> dict:
       that keeps Σ_j dS_ij = 0 reaches (emulated GProj's bound);
     * ``pass_gauge``: dq blind to a common key translation, within 2.56·u (two backwards, each within 1.28·u);
     * ``pass_witness``: on the four-key witness, dq[0,0,0,0] (exactly 0; an uncorrected BF16 kernel returns
-      −24) within 1.28·u of ‖exact dq‖.
+      −24) within 1.28·u of ‖exact dq‖;
+    * ``pass_do_layout``: on the dO-layout cases, the backwards with dO contiguous and as a (B, S, H, D) view
+      (same values, either order, at a shape met first there) within 2.56·u of each other (``worst_do_layout``).
     A criterion is None when no case it reads ran (n/a, error, or not selected)."""
     u = unit_roundoff(DTYPES[dtype])
     gauge = [c for c in cases if c["gauge_regime"] and c.get("format_in_range", True)]
@@ -157,9 +219,13 @@ def plugin_checks(cases: List[dict], backend: str, dtype: str) -> dict:
             out["witness_max"] = GPROJ_MAX_U * u * abs(c["expected"]["dq_exact_coord1"])
     out["not_run"] = {c["name"]: c["results"][backend].get("reason", "")
                       for c in cases if c["results"].get(backend, {}).get("status") != "ok"}
+    out["do_layout_max"] = DO_LAYOUT_MAX_U * u
+    out["worst_do_layout"], out["worst_do_layout_case"] = _worst(backend, cases, "do_layout_spread")
     out["pass_dq"] = None if out["worst_dq"] is None else out["worst_dq"] <= out["dq_max"]
     out["pass_gauge"] = None if out["worst_gauge"] is None else out["worst_gauge"] <= out["gauge_max"]
     out["pass_witness"] = None if out["witness_dq0"] is None else abs(out["witness_dq0"]) <= out["witness_max"]
+    out["pass_do_layout"] = (None if out["worst_do_layout"] is None
+                             else out["worst_do_layout"] <= out["do_layout_max"])
     return out
 
 
@@ -182,8 +248,25 @@ def checks(cases: List[dict], dtype: str = "bf16", plugins: Iterable[str] = ()) 
     out["pass_uncorrected_leaks"] = None if leak is None else leak >= out["uncorrected_dq_min"]
     out["pass_gproj"] = None if g is None else g <= out["gproj_dq_max"]
     out["pass_fp32_tier"] = None if f is None else f <= FP32_TIER_MAX
+    out.update(do_layout_checks(cases, DO_LAYOUT_MAX_U * u, exclude=plugins))
     out["plugins"] = {name: plugin_checks(cases, name, dtype) for name in plugins}
     return out
+
+
+def do_layout_checks(cases: List[dict], bound: float, exclude: Iterable[str] = ()) -> dict:
+    """Every built-in backend that ran a dO-layout case (``Case.do_layouts``) gives the same gradients for both
+    layouts, within ``bound``: ``do_layout_max``, ``do_layout_spread`` {backend: worst spread}, ``do_layout_failed``
+    (backends beyond the bound), ``pass_do_layout`` (None when no such case ran). Plugins are held to it in
+    ``plugin_checks``."""
+    exclude = set(exclude)
+    spread: Dict[str, float] = {}
+    for c in cases:
+        for name, r in c["results"].items():
+            if name not in exclude and r.get("status") == "ok" and "do_layout_spread" in r:
+                spread[name] = max(spread.get(name, 0.0), r["do_layout_spread"])
+    failed = sorted(name for name, x in spread.items() if not x <= bound)
+    return {"do_layout_max": bound, "do_layout_spread": spread, "do_layout_failed": failed,
+            "pass_do_layout": None if not spread else not failed}
 
 
 def criteria(ch: dict) -> Dict[str, Optional[bool]]:
@@ -205,7 +288,7 @@ def strict_status(ch: dict) -> Tuple[int, str]:
     if not ran:
         return EXIT_NOTHING_RAN, ("no criterion could run: they need key_offset_128 with emulated-uncorrected, "
                                   "a gauge-regime case with emulated-gproj, fp32-tier or a --backend plugin, "
-                                  "or the witness with a plugin")
+                                  "the witness with a plugin, or a do_layout_* case with any backend")
     failed = sorted(n for n, v in ran.items() if not v)
     if failed:
         return EXIT_FAILED, "failed: " + ", ".join(failed)

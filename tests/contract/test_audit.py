@@ -25,7 +25,8 @@ TOP_FIELDS = {"tool", "version", "torch", "device", "dtype", "quick", "seed", "t
 CHECK_FIELDS = {"unit_roundoff", "uncorrected_dq_min", "gproj_dq_max", "fp32_tier_dq_max",
                 "uncorrected_dq_at_128sigma", "gproj_worst_gauge_regime_dq", "gproj_worst_gauge_regime_case",
                 "gproj_out_of_range_cases", "fp32_tier_worst_gauge_regime_dq", "fp32_tier_worst_gauge_regime_case",
-                "pass_uncorrected_leaks", "pass_gproj", "pass_fp32_tier"}
+                "pass_uncorrected_leaks", "pass_gproj", "pass_fp32_tier", "do_layout_max", "do_layout_spread",
+                "do_layout_failed", "pass_do_layout"}
 CPU_BACKENDS = ["emulated-uncorrected", "emulated-gproj", "emulated-gproj-fused", "fp32-tier", "fp32-plain"]
 FUSED = "sdpa-flash"  # PyTorch's fused flash backward, present on the CPU too
 EAGER = ["hf-eager-uncorrected", "hf-eager-gproj"]  # HF's eager arithmetic, unpatched and through the hook
@@ -87,6 +88,12 @@ def test_quick_done_criteria(quick_report):
     unc = [cases[f"key_offset_{x}"]["results"]["emulated-uncorrected"]["gauge"] for x in (8, 32, 128, 512)]
     assert unc == sorted(unc) and cases["key_offset_512"]["results"]["emulated-gproj"]["gauge"] < 0.01
     assert "PASS" in out and "FAIL" not in out
+    # every CPU backend that can run dense attention gives the same gradients for both dO layouts, both orders
+    assert set(ch["do_layout_spread"]) == set(CPU_BACKENDS + [FUSED] + EAGER + ["flex-gproj"])
+    assert ch["do_layout_failed"] == [] and max(ch["do_layout_spread"].values()) <= ch["do_layout_max"]
+    for name in ("do_layout_bhsd_bshd", "do_layout_bshd_bhsd"):
+        layouts = [r["layout"] for r in cases[name]["results"]["fp32-tier"]["do_layouts"]]
+        assert layouts == name.split("_")[2:]
 
 
 def test_plot_written(quick_report):

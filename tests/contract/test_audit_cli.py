@@ -186,3 +186,59 @@ def test_log_lines_are_written_through_the_bar(monkeypatch):
     before = text[:text.index("gproj_patch: a fallback")]
     assert before.endswith("\r") or before.endswith("\n") or before.endswith("\x1b[A")  # starts its own line
     assert "audit:" in text[text.index("gproj_patch: a fallback"):]  # the bar is drawn again below it
+
+
+# ------------------------------------------------------------- how criteria, the command's name and warnings read
+def test_criteria_that_did_not_run_say_what_they_need(capsys):
+    """No "- [None]" for a criterion whose input did not run: it says it did not run and what it needs."""
+    assert cli_main(["audit", "--quick", "--no-progress", "--cases", "witness",
+                     "--backends", "emulated-uncorrected"]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and ": - " not in out
+    assert "uncorrected emulation dq @128σ: not run (needs key_offset_128 with emulated-uncorrected)" in out
+    assert "FP32 tier worst gauge-regime dq: not run (needs a gauge-regime case with fp32-tier)" in out
+
+
+def test_usage_and_errors_name_the_command_as_invoked(monkeypatch, capsys):
+    import gproj_patch.audit
+    monkeypatch.setattr(sys, "argv", ["/opt/venv/bin/gproj-audit", "--help"])
+    with pytest.raises(SystemExit):
+        gproj_patch.audit.main()  # the console script's entry point
+    assert capsys.readouterr().out.startswith("usage: gproj-audit ")
+    with pytest.raises(SystemExit):
+        gproj_patch.audit.main(["--dtype", "fp8"])
+    assert capsys.readouterr().err.startswith("gproj-audit: error: argument --dtype")
+    assert cli.invoked_as(cli.__file__) == "python -m gproj_patch.audit.cli"  # python -m gproj_patch.audit.cli
+    assert cli.invoked_as("-c") == "gproj-audit" and cli.invoked_as(r"gproj-audit.exe") == "gproj-audit"
+    with pytest.raises(SystemExit):
+        cli_main(["audit", "--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m gproj_patch audit ")
+
+
+WARNING_PLUGIN = '''
+import warnings
+import torch.nn.functional as F
+
+
+def noisy_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    warnings.warn("noisy_attention: this is the audited call's own advice")
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+'''
+
+
+def test_warnings_are_printed_when_there_is_no_json(tmp_path, capsys):
+    """Without --json the audited calls' warnings are shown once each (with where they came from), not said to
+    be kept in a JSON that was never written; with --json the line names that file."""
+    plugin = tmp_path / "noisy.py"
+    plugin.write_text(WARNING_PLUGIN)
+    argv = ["audit", "--quick", "--no-progress", "--cases", "witness,key_offset_8", "--backend",
+            f"{plugin}:noisy_attention"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "JSON" not in out and "2 results came with warnings from the audited calls" in out
+    assert out.count("UserWarning: noisy_attention: this is the audited call's own advice") == 1
+    assert "[witness/" in out and "key_offset_8/" in out
+    path = tmp_path / "a.json"
+    assert cli_main(argv + ["--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"kept in {path}, field 'warnings'" in out and "own advice" not in out

@@ -130,7 +130,7 @@ def test_check_returns_a_report(tmp_path):
     assert isinstance(good, Report) and good.passed and not bad.passed
     assert [c.name for c in good.cases] == ["witness", "diffuse", "key_offset_8", "key_offset_32", "key_offset_128",
                                             "key_offset_512"]
-    assert bad.criteria == {"pass_dq": False, "pass_gauge": False, "pass_witness": False}
+    assert bad.criteria == {"pass_dq": False, "pass_gauge": False, "pass_witness": False, "pass_do_layout": None}
     assert bad.cases[0].witness_dq0 == -12.0 and good.cases[0].witness_dq0 == 0.0
     assert "FAILED" in bad.explain() and "witness dq[0,0,0,0]: -12.0" in bad.explain()
     doc = json.loads(bad.to_json())
@@ -153,7 +153,22 @@ def test_check_rejects_bad_arguments_before_running():
 
 def test_no_criterion_ran_is_not_a_pass():
     rep = check(eager_bf16_attention, cases="varlen,softcap", device="cpu")  # both n/a for the SDPA signature
-    assert rep.criteria == {"pass_dq": None, "pass_gauge": None, "pass_witness": None} and not rep.passed
+    assert rep.criteria == {"pass_dq": None, "pass_gauge": None, "pass_witness": None, "pass_do_layout": None}
+    assert not rep.passed
+
+
+def test_explain_says_why_a_criterion_did_not_run():
+    """Criteria whose cases did not run read as such, with the reason — no "- [None]" or "bound ±-"."""
+    text = check(eager_bf16_attention, cases="varlen", device="cpu").explain()  # a gauge-regime case, n/a here
+    assert "None" not in text and "±-" not in text and ": - " not in text
+    lines = text.splitlines()
+    assert lines[0].endswith("no criterion could run")
+    assert lines[1] == ("  dq error, worst gauge-regime case: not run: no gauge-regime case the format can hold "
+                        "ran (see the n/a lines)")
+    assert "witness dq[0,0,0,0]: not run: the witness case was not selected" in text
+    assert "n/a varlen: varlen packs need cu_seqlens" in text
+    text = check(eager_bf16_attention, cases="softcap", device="cpu").explain()  # not a gauge-regime case
+    assert "dq error, worst gauge-regime case: not run: no gauge-regime case was selected" in text
 
 
 # -------------------------------------------------------------------------------------------- the pytest fixture
