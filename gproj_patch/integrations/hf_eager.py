@@ -11,10 +11,14 @@ callbacks.
 
 What a wrapped call does. The wrapper calls the model's own function, same arguments, same ops: the forward is
 the unpatched forward bit for bit and the attention weights are still returned (``ops/hf_eager.py``). Whether
-its backward can be corrected depends on what the function computes, probed once per function against the fp64
-oracle (``hf_eager_forms.form_of``). A function without a form keeps its original backward (reason counted); so
-do calls with arguments the probe did not cover (a tensor keyword such as ``position_bias``, ``head_mask``), no
-``scaling``, or dropout.
+its backward can be corrected depends on what the function computes — probed once per function against the fp64
+oracle (``hf_eager_forms.form_of``) — and on the arguments of the call: one bound to a parameter (or landing in a
+``**kwargs``) that the function's code never reads cannot change what it computes
+(``hf_eager_forms.parameters``), so the Trainer's ``num_items_in_batch``, ``position_ids``, ``use_cache``, a
+collator's ``cu_seq_lens_*``, ... leave the call correctable. An argument the function does read is covered only
+by the probe's own (``scaling``, ``dropout``, ``softcap``) or at its parameter's default (``position_bias=None``).
+Calls of a function without a form, with another argument it reads, with no ``scaling``, or with dropout keep
+their original backward (reason counted).
 
 Dropout (training with ``attention_dropout > 0``): passed through untouched, reason counted. The keep mask is
 only partly recoverable from the outputs — a weight that rounds to 0 in BF16/FP16 (any probability below 6e-8
@@ -30,12 +34,11 @@ import logging
 import os
 import sys
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..layers.scope import module_layer_name
-from .hf_eager_forms import EagerForm, form_of
+from .hf_eager_forms import EagerForm, form_of, parameters
 from .restore import restore_by_identity
 
 logger = logging.getLogger("gproj_patch")
@@ -44,8 +47,6 @@ ATTRIBUTE = "eager_attention_forward"
 PACKAGE = "transformers.models"
 MODELING_UTILS = "transformers.modeling_utils"
 SOURCE = "hf_eager"
-#: keyword tensors HF passes to every attention function that the eager functions do not compute with
-INERT_TENSOR_KWARGS = ("position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k")
 #: explicit parameters the routed math covers (the first five positional ones are module, q, k, v, mask)
 ROUTED_PARAMETERS = ("scaling", "dropout", "softcap")
 
@@ -77,43 +78,47 @@ class _Bound:
     scaling: Optional[float]
     dropout: float
     softcap: Optional[float]
-    others: Dict[str, object]   # every other argument given (explicit or in **kwargs)
+    others: Dict[str, object]   # every other argument given that the function reads, not at its default
 
 
-#: bounded cache: each eager function's signature, dropped with the function (weak keys)
-_signatures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _signature(fn) -> inspect.Signature:
-    """``inspect.signature(fn)``, cached per function (it is read on every call)."""
+def _at_default(value, default) -> bool:
+    """Whether an argument's value is its parameter's default (the probe ran with the defaults)."""
+    import torch
+    if value is default:
+        return True
+    if default is inspect.Parameter.empty or isinstance(value, torch.Tensor) or type(value) is not type(default):
+        return False
     try:
-        return _signatures[fn]
-    except KeyError:
-        sig = _signatures[fn] = inspect.signature(fn)
-        return sig
-    except TypeError:  # not weak-referenceable
-        return inspect.signature(fn)
+        return bool(value == default)
+    except Exception:  # noqa: BLE001 - an odd __eq__: not known to be the default
+        return False
 
 
 def _bind(fn, args, kwargs) -> Optional[_Bound]:
     try:
-        sig = _signature(fn)
-        bound = sig.bind(*args, **kwargs)
+        params = parameters(fn)
+        bound = params.signature.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
-    params = list(sig.parameters.values())
-    positional = [p.name for p in params[:5]]
-    if len(positional) < 5 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params[:5]):
+    sig = list(params.signature.parameters.values())
+    positional = [p.name for p in sig[:5]]
+    if len(positional) < 5 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in sig[:5]):
         return None
     given = dict(bound.arguments)
-    for p in params:
+    read = {n for n in given if n not in params.unread}  # the explicit parameters given that the code reads
+    for p in sig:
         if p.kind == p.VAR_KEYWORD:
-            given.update(given.pop(p.name, {}))
+            extra = given.pop(p.name, {})
+            given.update(extra)
+            read.discard(p.name)
+            if p.name not in params.unread:  # keywords in a **kwargs the code never reads are inert
+                read.update(extra)
         elif p.kind == p.VAR_POSITIONAL and given.pop(p.name, ()):
             return None
-    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    defaults = {p.name: p.default for p in sig if p.default is not p.empty}
     get = lambda name, default=None: given.get(name, defaults.get(name, default))  # noqa: E731
-    others = {n: x for n, x in given.items() if n not in positional and n not in ROUTED_PARAMETERS}
+    others = {n: x for n, x in given.items() if n in read and n not in positional and n not in ROUTED_PARAMETERS
+              and not _at_default(x, defaults.get(n, inspect.Parameter.empty))}
     return _Bound(*(given.get(n) for n in positional), scaling=get("scaling"), dropout=get("dropout", 0.0) or 0.0,
                   softcap=get("softcap"), others=others)
 
@@ -122,9 +127,8 @@ def _argument_reason(b: _Bound, form: EagerForm) -> Optional[str]:
     import torch
     for name, value in b.others.items():
         if name == "s_aux" and form.sink and value is getattr(b.module, "sinks", None):
-            continue  # gpt-oss passes its sinks both ways; the function reads module.sinks
-        if isinstance(value, torch.Tensor) and name not in INERT_TENSOR_KWARGS:
-            return f"tensor argument {name!r} (not covered by the probe)"
+            continue  # gpt-oss passes its sinks both ways; the probe found the function reading module.sinks
+        return f"argument {name!r} that the function reads (not covered by the probe)"
     if b.scaling is None:
         return "no scaling given"
     if isinstance(b.mask, torch.Tensor) and b.mask.dtype == torch.bool:
@@ -175,7 +179,7 @@ def eager_call(fn, args, kwargs):
     if reason is not None:
         telemetry.record_forward("original", f"{SOURCE}: {reason}", telemetry.shape_class(SOURCE, b.query, b.key))
         return fn(*args, **kwargs)
-    sig = _signature(fn)
+    sig = parameters(fn).signature
     names = list(sig.parameters)[1:4]
 
     def forward(q, k, v, _sink):

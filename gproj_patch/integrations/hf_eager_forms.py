@@ -1,20 +1,39 @@
-"""What an HF eager attention function computes, found once per function by a probe against the fp64 oracle.
+"""What an HF eager attention function computes and which of its arguments it reads, found once per function.
 
 Whether an eager call's backward can be corrected (``integrations/hf_eager.py``) depends on what the model's
 function computes, which differs between models (GQA or not, softcap, gpt-oss's sink column, T5's position bias,
-...). ``form_of(fn)`` runs it once on a tiny fp64 problem and compares it with the fp64 oracle
+...), and on which of the arguments it is given it reads.
+
+The probe (``form_of``). Each function runs once on a tiny fp64 problem and is compared with the fp64 oracle
 (``backends.reference``): ``softmax(scaling·QKᵀ [+softcap] + mask) V`` with additive masks, with GQA through
 ``module.num_key_value_groups`` or not, with ``module.sinks`` as a sink column or not, applying its ``softcap``
 argument or ignoring it. A function that matches none of these, or raises on the probe module, has no form (the
 reason instead): its calls keep their original backward.
+
+The arguments it reads (``parameters``). HF's attention modules pass their ``**kwargs`` on to the attention
+function: besides ``dropout`` and ``scaling``, the Trainer's ``num_items_in_batch``, ``position_ids``,
+``use_cache``, ``output_attentions``, a padding-free collator's ``cu_seq_lens_q/k``, ``max_length_q/k`` and
+``seq_idx``, ``is_causal``, a model's ``sliding_window``, ``s_aux``/``sinks``, ``position_bias``, ... (the set
+changes with every release and model). So the rule is read from the function's code, not from a list of names:
+an argument bound to a parameter its code never refers to — or landing in a ``**kwargs`` its code never refers
+to — cannot change what it computes (every eager function of Transformers 5.17 and 5.25 ignores its
+``**kwargs``; the mask carries causality, windows and packed documents). Where the code cannot be read (no
+Python code object, a wrapper whose code is not the signature's, a reference to the frame's locals), every
+parameter counts as read.
 """
 from __future__ import annotations
 
+import dis
+import inspect
 import threading
 import weakref
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Optional
+from typing import FrozenSet, Optional
+
+#: names through which code reads its arguments without naming them (the frame's locals): a function whose code
+#: (or a function defined in it) refers to one of them is taken to read every argument
+FRAME_READERS = frozenset({"locals", "vars", "eval", "exec", "_getframe", "currentframe", "f_locals"})
 
 _lock = threading.RLock()
 
@@ -121,3 +140,59 @@ def form_of(fn) -> "EagerForm | str":
         except TypeError:  # not weak-referenceable: probed again next time
             pass
         return form
+
+
+# ------------------------------------------------------------------------------ the arguments it reads
+@dataclass(frozen=True)
+class Parameters:
+    """An eager function's signature and the parameters its code never refers to (the ``**kwargs`` one
+    included): an argument bound to one of them cannot change what the function computes."""
+    signature: inspect.Signature
+    unread: FrozenSet[str]
+
+
+#: bounded cache: each eager function's parameters, dropped with the function (weak keys)
+_params: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _code_objects(code):
+    """``code`` and every code object defined in it (nested functions, lambdas, comprehensions)."""
+    yield code
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            yield from _code_objects(const)
+
+
+def unread_parameters(fn, sig: inspect.Signature) -> FrozenSet[str]:
+    """The parameters of ``fn`` its code never refers to, read from its bytecode: a name no instruction of
+    ``fn``'s own code mentions (loads, stores, the super-instructions of newer Pythons whose argument is a tuple
+    of names, a constant or attribute of that name — any mention counts, so a doubt counts as a read) and no
+    nested function captures (a cell variable). Empty — every parameter read — when that cannot be told:
+    ``fn`` has no Python code object, its code's parameters are not its signature's (a ``functools.wraps``
+    wrapper passes them on), or it refers to its frame's locals (``FRAME_READERS``)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return frozenset()
+    count = (code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
+             + bool(code.co_flags & inspect.CO_VARKEYWORDS))
+    names = set(code.co_varnames[:count])
+    if names != set(sig.parameters) or any(FRAME_READERS & set(c.co_names) for c in _code_objects(code)):
+        return frozenset()
+    mentioned = set(code.co_cellvars)
+    for ins in dis.get_instructions(code):
+        value = ins.argval
+        mentioned.update(v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, str))
+    return frozenset(names - mentioned)
+
+
+def parameters(fn) -> Parameters:
+    """``fn``'s signature and unread parameters, cached per function (they are read on every call)."""
+    try:
+        return _params[fn]
+    except KeyError:
+        sig = inspect.signature(fn)
+        params = _params[fn] = Parameters(sig, unread_parameters(fn, sig))
+        return params
+    except TypeError:  # not weak-referenceable
+        sig = inspect.signature(fn)
+        return Parameters(sig, unread_parameters(fn, sig))
