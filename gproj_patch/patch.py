@@ -20,6 +20,11 @@ if TYPE_CHECKING:  # annotations only: the package does not import torch at impo
     import torch
 
 
+def _package_modules_running() -> list:
+    """The modules of this package whose import is still executing (in ``sys.modules`` order)."""
+    return [name for name in list(sys.modules) if name.startswith("gproj_patch.") and not _imported(name)]
+
+
 def _register_kernel_op() -> None:
     """Define ``torch.ops.gproj.attention_backward`` (the GProj kernel as an op). This package never imports
     torch itself at import time (the GPROJ_PATCH=1 start-up hook imports it in every process): the op is
@@ -28,7 +33,7 @@ def _register_kernel_op() -> None:
     When a module of this package is what imported torch (``import gproj_patch.backends.spec`` before torch),
     torch's import ends inside that module's: loading ``backends/ops.py`` then would meet it half initialized.
     The op waits for the end of that import instead (and again for the next one still running)."""
-    running = [name for name in list(sys.modules) if name.startswith("gproj_patch.") and not _imported(name)]
+    running = _package_modules_running()
     if running:
         _call_after_import(running[-1], _register_kernel_op)
         return
@@ -36,6 +41,23 @@ def _register_kernel_op() -> None:
 
 
 _call_after_import("torch", _register_kernel_op)
+
+
+def _register_hf_name() -> None:
+    """Register the HF attention name ``"gproj"`` where it is free, enabled or not (``integrations/
+    transformers.py`` says why): a model can then be built with it before ``enable()`` and keeps running after
+    ``disable()``. Nothing else changes: no other registry entry, no hook. Runs right after
+    ``transformers.modeling_utils`` is imported — or here, at this module's import, when it already is: then
+    it waits, as the kernel op does, for the end of the imports of this package still running (this one)."""
+    running = _package_modules_running()
+    if running:
+        _call_after_import(running[-1], _register_hf_name)
+        return
+    from .integrations import transformers
+    transformers.register_name()
+
+
+_call_after_import("transformers.modeling_utils", _register_hf_name)
 
 _lock = threading.RLock()
 _logger = logging.getLogger("gproj_patch")

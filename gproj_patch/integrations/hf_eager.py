@@ -11,13 +11,14 @@ callbacks.
 
 What a wrapped call does. The wrapper calls the model's own function, same arguments, same ops: the forward is
 the unpatched forward bit for bit and the attention weights are still returned (``ops/hf_eager.py``). Whether
-its backward can be corrected depends on what the function computes, which differs between models (GQA or
-not, softcap, gpt-oss's sink column, T5's position bias, ...). So each function is *probed* once, on a tiny
-fp64 problem, against the fp64 oracle (``backends.reference``): ``softmax(scaling·QKᵀ [+softcap] + mask) V`` with
-additive masks, with GQA through ``module.num_key_value_groups`` or not, with ``module.sinks`` as a sink column
-or not, applying its ``softcap`` argument or ignoring it. A function that matches none of these, or raises on
-the probe module, keeps its original backward (reason counted); so do calls with arguments the probe did not
-cover (a tensor keyword such as ``position_bias``, ``head_mask``), no ``scaling``, or dropout.
+its backward can be corrected depends on what the function computes — probed once per function against the fp64
+oracle (``hf_eager_forms.form_of``) — and on the arguments of the call: one bound to a parameter (or landing in a
+``**kwargs``) that the function's code never reads cannot change what it computes
+(``hf_eager_forms.parameters``), so the Trainer's ``num_items_in_batch``, ``position_ids``, ``use_cache``, a
+collator's ``cu_seq_lens_*``, ... leave the call correctable. An argument the function does read is covered only
+by the probe's own (``scaling``, ``dropout``, ``softcap``) or at its parameter's default (``position_bias=None``).
+Calls of a function without a form, with another argument it reads, with no ``scaling``, or with dropout keep
+their original backward (reason counted).
 
 Dropout (training with ``attention_dropout > 0``): passed through untouched, reason counted. The keep mask is
 only partly recoverable from the outputs — a weight that rounds to 0 in BF16/FP16 (any probability below 6e-8
@@ -33,12 +34,11 @@ import logging
 import os
 import sys
 import threading
-import weakref
-from types import MappingProxyType
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..layers.scope import module_layer_name
+from .hf_eager_forms import EagerForm, form_of, parameters
 from .restore import restore_by_identity
 
 logger = logging.getLogger("gproj_patch")
@@ -47,8 +47,6 @@ ATTRIBUTE = "eager_attention_forward"
 PACKAGE = "transformers.models"
 MODELING_UTILS = "transformers.modeling_utils"
 SOURCE = "hf_eager"
-#: keyword tensors HF passes to every attention function that the eager functions do not compute with
-INERT_TENSOR_KWARGS = ("position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k")
 #: explicit parameters the routed math covers (the first five positional ones are module, q, k, v, mask)
 ROUTED_PARAMETERS = ("scaling", "dropout", "softcap")
 
@@ -68,111 +66,6 @@ class _Installed:
 INSTALLED = _Installed()
 
 
-# --------------------------------------------------------------------------------------------- the probe
-@dataclass(frozen=True)
-class EagerForm:
-    """What a probed eager function computes. ``softcap``: "applied", "ignored" or "unknown"."""
-    gqa: bool
-    sink: bool
-    softcap: str
-
-
-#: bounded cache: each eager function's probed form (or why it has none), dropped with the function (weak keys):
-#: at most one entry per live modeling module's eager_attention_forward
-_forms: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-PROBE_SHAPE = MappingProxyType(dict(batch=2, heads=4, kv_heads=2, sq=5, sk=7, dim=8))
-PROBE_SCALE = 0.3
-PROBE_SOFTCAP = 1.5
-PROBE_TOLERANCE = 1e-5     # eager softmaxes in fp32: the fp64 probe agrees to fp32's precision
-PROBE_MASKED = -1e4        # a masked key in the probe's additive mask (no row fully masked)
-
-
-def _probe_module(heads: int, kv_heads: int, dim: int):
-    import torch
-
-    class _ProbeAttention(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.num_key_value_groups = heads // kv_heads
-            self.head_dim = dim
-            self.scaling = PROBE_SCALE
-            self.is_causal = False
-            self.sinks = torch.nn.Parameter(torch.linspace(-1.0, 2.5, heads, dtype=torch.float64))
-    return _ProbeAttention().eval()
-
-
-def _probe_inputs(kv_heads: int):
-    import torch
-    p = PROBE_SHAPE
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(p["batch"], p["heads"], p["sq"], p["dim"], generator=g, dtype=torch.float64) * 2
-    k = torch.randn(p["batch"], kv_heads, p["sk"], p["dim"], generator=g, dtype=torch.float64) * 2
-    v = torch.randn(p["batch"], kv_heads, p["sk"], p["dim"], generator=g, dtype=torch.float64)
-    bias = torch.rand(p["batch"], 1, p["sq"], p["sk"], generator=g, dtype=torch.float64) - 0.5
-    hidden = torch.rand(p["batch"], 1, p["sq"], p["sk"], generator=g) < 0.3
-    hidden[..., 0] = False
-    return q, k, v, bias.masked_fill(hidden, PROBE_MASKED)
-
-
-def _matches(fn, kv_heads: int, *, sink: bool, ref_softcap: float = 0.0, call_kwargs: Optional[dict] = None) -> bool:
-    """Whether ``fn`` (given ``call_kwargs``) on the probe problem equals the oracle with a sink or not and
-    softcap ``ref_softcap`` (fp64)."""
-    import torch
-
-    from ..backends.reference import reference_forward
-    p = PROBE_SHAPE
-    q, k, v, mask = _probe_inputs(kv_heads)
-    module = _probe_module(p["heads"], kv_heads, p["dim"])
-    with torch.no_grad():
-        out, _ = fn(module, q, k, v, mask, scaling=PROBE_SCALE, dropout=0.0, **(call_kwargs or {}))
-        want, _ = reference_forward(q, k, v, attn_mask=mask, scale=PROBE_SCALE, softcap=ref_softcap,
-                                    sink=module.sinks.detach() if sink else None)
-    out = out.transpose(1, 2).double()
-    return out.shape == want.shape and float((out - want).norm() / want.norm()) < PROBE_TOLERANCE
-
-
-def _probe(fn) -> "EagerForm | str":
-    p = PROBE_SHAPE
-    try:
-        base = [s for s in (False, True) if _matches(fn, p["heads"], sink=s)]
-        if not base:
-            return "it computes something else than softmax(scaling·QKᵀ + mask)·V (with or without a sink)"
-        sink = base[0]
-        try:
-            gqa = _matches(fn, p["kv_heads"], sink=sink)
-        except Exception:  # noqa: BLE001 - a function without GQA fails on unequal head counts
-            gqa = False
-        softcap = "unknown"
-        if not sink:
-            try:
-                capped = {"softcap": PROBE_SOFTCAP}
-                if _matches(fn, p["heads"], sink=False, ref_softcap=PROBE_SOFTCAP, call_kwargs=capped):
-                    softcap = "applied"
-                elif _matches(fn, p["heads"], sink=False, call_kwargs=capped):
-                    softcap = "ignored"
-            except TypeError:
-                pass
-        return EagerForm(gqa=gqa, sink=sink, softcap=softcap)
-    except Exception as exc:  # noqa: BLE001 - whatever the function needs that the probe lacks
-        return f"the probe raised {type(exc).__name__}: {exc}"
-
-
-def form_of(fn) -> "EagerForm | str":
-    """The probed form of an eager function (cached per function object), or why it is not routed."""
-    with _lock:
-        try:
-            return _forms[fn]
-        except (KeyError, TypeError):
-            pass
-        form = _probe(fn)
-        try:
-            _forms[fn] = form
-        except TypeError:  # not weak-referenceable: probed again next time
-            pass
-        return form
-
-
 # ------------------------------------------------------------------------------------------- one call
 @dataclass(frozen=True, eq=False)
 class _Bound:
@@ -185,43 +78,47 @@ class _Bound:
     scaling: Optional[float]
     dropout: float
     softcap: Optional[float]
-    others: Dict[str, object]   # every other argument given (explicit or in **kwargs)
+    others: Dict[str, object]   # every other argument given that the function reads, not at its default
 
 
-#: bounded cache: each eager function's signature, dropped with the function (weak keys)
-_signatures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _signature(fn) -> inspect.Signature:
-    """``inspect.signature(fn)``, cached per function (it is read on every call)."""
+def _at_default(value, default) -> bool:
+    """Whether an argument's value is its parameter's default (the probe ran with the defaults)."""
+    import torch
+    if value is default:
+        return True
+    if default is inspect.Parameter.empty or isinstance(value, torch.Tensor) or type(value) is not type(default):
+        return False
     try:
-        return _signatures[fn]
-    except KeyError:
-        sig = _signatures[fn] = inspect.signature(fn)
-        return sig
-    except TypeError:  # not weak-referenceable
-        return inspect.signature(fn)
+        return bool(value == default)
+    except Exception:  # noqa: BLE001 - an odd __eq__: not known to be the default
+        return False
 
 
 def _bind(fn, args, kwargs) -> Optional[_Bound]:
     try:
-        sig = _signature(fn)
-        bound = sig.bind(*args, **kwargs)
+        params = parameters(fn)
+        bound = params.signature.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
-    params = list(sig.parameters.values())
-    positional = [p.name for p in params[:5]]
-    if len(positional) < 5 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params[:5]):
+    sig = list(params.signature.parameters.values())
+    positional = [p.name for p in sig[:5]]
+    if len(positional) < 5 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in sig[:5]):
         return None
     given = dict(bound.arguments)
-    for p in params:
+    read = {n for n in given if n not in params.unread}  # the explicit parameters given that the code reads
+    for p in sig:
         if p.kind == p.VAR_KEYWORD:
-            given.update(given.pop(p.name, {}))
+            extra = given.pop(p.name, {})
+            given.update(extra)
+            read.discard(p.name)
+            if p.name not in params.unread:  # keywords in a **kwargs the code never reads are inert
+                read.update(extra)
         elif p.kind == p.VAR_POSITIONAL and given.pop(p.name, ()):
             return None
-    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    defaults = {p.name: p.default for p in sig if p.default is not p.empty}
     get = lambda name, default=None: given.get(name, defaults.get(name, default))  # noqa: E731
-    others = {n: x for n, x in given.items() if n not in positional and n not in ROUTED_PARAMETERS}
+    others = {n: x for n, x in given.items() if n in read and n not in positional and n not in ROUTED_PARAMETERS
+              and not _at_default(x, defaults.get(n, inspect.Parameter.empty))}
     return _Bound(*(given.get(n) for n in positional), scaling=get("scaling"), dropout=get("dropout", 0.0) or 0.0,
                   softcap=get("softcap"), others=others)
 
@@ -230,9 +127,8 @@ def _argument_reason(b: _Bound, form: EagerForm) -> Optional[str]:
     import torch
     for name, value in b.others.items():
         if name == "s_aux" and form.sink and value is getattr(b.module, "sinks", None):
-            continue  # gpt-oss passes its sinks both ways; the function reads module.sinks
-        if isinstance(value, torch.Tensor) and name not in INERT_TENSOR_KWARGS:
-            return f"tensor argument {name!r} (not covered by the probe)"
+            continue  # gpt-oss passes its sinks both ways; the probe found the function reading module.sinks
+        return f"argument {name!r} that the function reads (not covered by the probe)"
     if b.scaling is None:
         return "no scaling given"
     if isinstance(b.mask, torch.Tensor) and b.mask.dtype == torch.bool:
@@ -283,7 +179,7 @@ def eager_call(fn, args, kwargs):
     if reason is not None:
         telemetry.record_forward("original", f"{SOURCE}: {reason}", telemetry.shape_class(SOURCE, b.query, b.key))
         return fn(*args, **kwargs)
-    sig = _signature(fn)
+    sig = parameters(fn).signature
     names = list(sig.parameters)[1:4]
 
     def forward(q, k, v, _sink):

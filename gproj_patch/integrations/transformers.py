@@ -18,10 +18,18 @@ calls get the same names (``integrations/hf_layer_names.py``): a model's policy 
 A boolean mask that is exactly causal or causal + sliding window (HF builds those for Mistral/Qwen2/Gemma
 windows) is recognised in the backward and handed to the kernel as flags, not as a mask.
 
-``uninstall()`` puts both registries (and the wrapped entries) back as they were (the key removed, or the
-previous value restored) where they still hold what ``install()`` put there (``restore_by_identity``: an entry
-registered again after ``enable()`` is left, with a warning): a model built with "gproj" needs the patch enabled
-to run.
+The name exists without ``enable()``. ``register_name()`` — run by ``import gproj_patch`` as soon as
+``transformers.modeling_utils`` is imported, in either import order (``patch.py``) — puts ``"gproj"`` in both
+registries where the name is free and changes nothing else: no other entry, no hook, nothing enabled. The name is
+an explicit request for the corrected backward, so its calls are corrected whether the patch is on or off: with
+the enabled options, else the environment's (``GPROJ_MODE=off`` turns them into HF's "sdpa" calls), as
+``gproj_patch.attention`` does. So a model can be built with ``attn_implementation="gproj"`` before
+``enable()`` (a Trainer callback then enables with its own options), and it keeps running after ``disable()``.
+
+``install()`` (at ``enable()``) registers ``"gproj"`` over whatever holds the name then and wraps the other
+entries for layer names. ``uninstall()`` puts both registries (and the wrapped entries) back as they were where
+they still hold what ``install()`` put there (``restore_by_identity``: an entry registered again after
+``enable()`` is left, with a warning), then registers the name again where it is free.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from ..runtime import telemetry
+from ..runtime import config, telemetry
 from ..backends import compat
 from ..backends.spec import SINK_SOFTCAP_REASON
 from ..layers.scope import module_layer_name
@@ -90,8 +98,10 @@ def gproj_attention_forward(module, query, key, value, attention_mask, dropout: 
     if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
         attention_mask = attention_mask.to(query.dtype)
     enable_gqa = key.shape[1] != query.shape[1]
+    # the options: the enabled ones, else the environment's (the patch may be off: the name asked for GProj)
     out = sdpa_op.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
-                        scale=scaling, enable_gqa=enable_gqa, layer=module_layer_name(module), source=SOURCE)
+                        scale=scaling, enable_gqa=enable_gqa, cfg=config.active() or config.resolve(),
+                        layer=module_layer_name(module), source=SOURCE)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -167,6 +177,20 @@ def _register_on_import() -> None:
         logger.warning("could not register the 'gproj' attention: %s", status)
 
 
+def register_name() -> None:
+    """Register ``"gproj"`` (attention function and mask function) in each registry where the name is free;
+    nothing else changes. Called once ``transformers.modeling_utils`` is imported, enabled or not."""
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError as exc:
+        logger.warning("could not register the 'gproj' attention: transformers not importable (%s)", exc)
+        return
+    for registry, ours in ((AttentionInterface, gproj_attention_forward), (AttentionMaskInterface, sdpa_mask)):
+        if NAME not in compat.hf_registry_mapping(registry):
+            registry.register(NAME, ours)
+
+
 def _register() -> str:
     try:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -196,3 +220,4 @@ def uninstall() -> None:
         restore_by_identity(compat.hf_registry_mapping(registry), NAME, ours, saved[key],
                             where=f"transformers' {registry.__name__}[{NAME!r}]", change="registered again")
     INSTALLED.saved = None
+    register_name()  # where the name is free again: a model built with "gproj" keeps running

@@ -13,4 +13,6 @@
 * ``kernel_build``: compile kernels for sm_90a on a GPU-less machine and read registers, spills and shared
   memory (the Gluon compile test; ``benchmarks/gluon_check.py`` and ``ptx_snapshot.py`` use it too).
 * ``switches``: the CPU kernel switch (TRITON_INTERPRET / GPROJ_TIER), resolved at ``enable()``.
+* ``hf_models``: a tiny HF Llama in the large-key regime, a few-step CPU Trainer, and each attention call's
+  gradients measured against the fp64 oracle (a spy on a module global or an HF registry entry).
 """

@@ -105,11 +105,23 @@ def test_layer_names_and_inference_path(monkeypatch):
     assert sorted(seen) == ["MistralAttention.0", "MistralAttention.1"]
 
 
-def test_disable_unregisters_gproj():
+def test_disable_keeps_gproj_and_unwraps_every_other_entry():
+    """The registry after disable() is the registry before enable(): the layer-name wrappers gone (each original
+    back by identity), "gproj" still registered (the name exists without the patch), so a model built with it
+    keeps running."""
     from transformers.modeling_utils import AttentionInterface
-    assert "gproj" in AttentionInterface._global_mapping
+    from gproj_patch.integrations.transformers import gproj_attention_forward
+    mapping = AttentionInterface._global_mapping
     gproj_patch.disable()
-    assert "gproj" not in AttentionInterface._global_mapping
+    before = dict(mapping)
+    gproj_patch.enable(targets=("sdpa", "transformers"))
+    assert all(hasattr(mapping[k], "__gproj_named__") for k in before if k != "gproj")  # wrapped while enabled
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(_configs()["llama"]), attn_implementation="gproj")
+    gproj_patch.disable()
+    assert mapping.keys() == before.keys() and all(mapping[k] is v for k, v in before.items())
+    assert mapping["gproj"] is gproj_attention_forward
+    ids, _, labels = _batch(False)
+    model(input_ids=ids, labels=labels).loss.backward()  # no KeyError
 
 
 def test_disable_leaves_a_gproj_entry_registered_again_after_enable(caplog):
@@ -128,6 +140,8 @@ def test_disable_leaves_a_gproj_entry_registered_again_after_enable(caplog):
                    for r in caplog.records)
     finally:
         AttentionInterface._global_mapping.pop("gproj", None)
+        from gproj_patch.integrations.transformers import register_name
+        register_name()  # the name as `import gproj_patch` left it, for the tests after this one
 
 
 def test_attention_dropout_in_training_keeps_the_fused_path():
