@@ -188,8 +188,9 @@ def test_keyword_wins_over_an_invalid_environment_value(monkeypatch):
 
 @pytest.mark.parametrize("source", ["keyword", "GPROJ_TIER"])
 def test_tier_triton_refusal_names_what_can_set_it(monkeypatch, source):
-    """tier "triton" on CPU bf16 (the interpreter's bf16 is inexact): refused at the forward. Set by the keyword
-    the message must not claim the variable was set; it names both ways the option is given."""
+    """tier "triton" on CPU bf16 (the interpreter's bf16 is inexact): refused where the SDPA seam decides, in the
+    backward. Set by the keyword the message must not claim the variable was set; it names both ways the option
+    is given."""
     pytest.importorskip("triton")
     if source == "keyword":
         gproj_patch.enable(targets=("sdpa",), tier="triton")
@@ -197,8 +198,9 @@ def test_tier_triton_refusal_names_what_can_set_it(monkeypatch, source):
         monkeypatch.setenv("GPROJ_TIER", "triton")
         gproj_patch.enable(targets=("sdpa",))
     q, k, v = (torch.randn(1, 2, 16, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v)
     with pytest.raises(RuntimeError) as info:
-        F.scaled_dot_product_attention(q, k, v)
+        out.float().sum().backward()
     assert str(info.value).startswith('tier="triton" (as a keyword or GPROJ_TIER=triton) but the GProj kernel '
                                       "cannot run: bfloat16"), str(info.value)
 
