@@ -47,6 +47,12 @@ def _rowsum(x):
 
 
 @triton.jit
+def _total(x):
+    # the sum of a vector (tl.reduce with our combine function, as ``_rowsum``)
+    return tl.reduce(x, 0, _add)
+
+
+@triton.jit
 def _row_stats(O_base, so_s, so_d, do, LSE_base, sl_s, SINK, ssink, h, Delta, LSE2, TGT, row, offs_m, q_len,
                offs_d, HEAD_DIM, HAS_SINK: tl.constexpr, EVEN: tl.constexpr):
     """(D, base-2 LSE, T) of the rows ``offs_m``, also stored to scratch at ``row`` for the KV-major kernel.
@@ -117,18 +123,19 @@ def _dq_tiles(acc, racc, sacc, start, end, q, do, lse2, delta, e0, e1, col, offs
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
+def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K, RB, RS, PARTIAL_ROWS,
             sq_b, sq_h, sq_s, sq_d,
             sk_b, sk_h, sk_s, sk_d,
             sv_b, sv_h, sv_s, sv_d,
             sdo_b, sdo_h, sdo_s, sdo_d,
             so_b, so_h, so_s, so_d,
             sl_b, sl_h, sl_s, ssink,
-            sdq_b, sdq_h, sdq_s, sdq_d,
+            sdq_b, sdq_h, sdq_s, sdq_d, srs_b, srs_h, srs_s,
             H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2, cap_in, cap_out,
+            mass_rel_tol, mass_abs_tol,
             SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
-            VARLEN: tl.constexpr, CORRECT: tl.constexpr, HAS_SINK: tl.constexpr,
-            EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+            VARLEN: tl.constexpr, CORRECT: tl.constexpr, HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr,
+            COUNT_PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) blocks first
     h = tl.program_id(1)
@@ -205,23 +212,52 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
                                     HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=False, EVEN_D=EVEN_D,
                                     BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
 
+        DQ_base = DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s
         if CORRECT:
             rho = _rowsum(tl.where(col[None, :] == RHO_COL, sacc, 0.0))  # ρ_i = Σ_j t_ij
             msum = _rowsum(tl.where(col[None, :] == MASS_COL, sacc, 0.0))  # m_i = Σ_j r_ij
+        if PARTIAL:
+            # a ring's row pass over one key shard: A = α Σ t·K, B = α Σ r·K and (ρ, m) added to the caller's
+            # fp32 accumulators (A in DQ, B in RB with DQ's strides, ρ and m in RS's columns 0 and 1); λ is the
+            # row's, formed once every shard has been added (backends/ring.py)
+            even = EVEN_M and EVEN_D
+            asum = load_rows(DQ_base, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=even)
+            store_tile(DQ_base, asum + acc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=even)
+            RB_base = RB + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s
+            bsum = load_rows(RB_base, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=even)
+            store_tile(RB_base, bsum + racc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=even)
+            RS_rows = RS + b64 * srs_b + h.to(tl.int64) * srs_h + (q_start + offs_m).to(tl.int64) * srs_s
+            inside = offs_m < q_len
+            tl.store(RS_rows, tl.load(RS_rows, mask=inside, other=0.0) + rho, mask=inside)
+            tl.store(RS_rows + 1, tl.load(RS_rows + 1, mask=inside, other=0.0) + msum, mask=inside)
+        elif CORRECT:
             if HAS_SINK:  # the exact row sum of dS is the target T = P_sink·D, not 0
                 rho = rho - target
             # λ_i = (ρ_i − T_i) / m_i: the multiple of r_i that carries the row sum t_i should not have (0: no mass)
             lam = tl.where(msum > 0.0, rho / tl.where(msum > 0.0, msum, 1.0), 0.0)
+            # a row whose LSE does not give these keys its full mass M = 1 − P_sink (|m − M| beyond low(P)'s
+            # rounding, spec.shard_mass_tolerance) is a shard of a row (a ring's per-shard call): its keys' dS
+            # has a true non-zero sum, so it is not projected (λ = 0: the uncorrected dq and dk); rows that saw
+            # no key (LSE2 = +inf) are not shards. M is formed here, not kept through the key loop (registers)
+            if HAS_SINK:
+                sink2 = tl.load(SINK + h * ssink).to(tl.float32) * RCP_LN2
+                mass = 1.0 - tl.math.exp2(sink2 - lse2)
+                shard = tl.abs(msum - mass) > mass_rel_tol * mass + mass_abs_tol
+            else:
+                shard = tl.abs(msum - 1.0) > mass_rel_tol + mass_abs_tol
+            shard = shard & (lse2 < float("inf"))
+            lam = tl.where(shard, 0.0, lam)
+            if COUNT_PARTIAL:  # one atomic per program: a count, never a gradient (those stay deterministic)
+                tl.atomic_add(PARTIAL_ROWS, _total((shard & (offs_m < q_len)).to(tl.int32)))
             # the projection t − λ·r, applied to the fp32 products (Σ t·K − λ·Σ r·K), never rounded again
             dq = (acc - lam[:, None] * racc) * scale
             if EVEN_M:
                 tl.store(LAM + row, lam)
             else:
                 tl.store(LAM + row, lam, mask=offs_m < q_len)
+            store_tile(DQ_base, dq, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
         else:
-            dq = acc * scale
-        store_tile(DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s, dq, sdq_s, sdq_d,
-                   offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
+            store_tile(DQ_base, acc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
 
 
 @triton.jit
