@@ -247,6 +247,16 @@ def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_see
     return out, lse
 
 
+def given_lse_chunks(q, k, v, lse, *, scale: Optional[float] = None, causal: bool = False,
+                     memory_budget: Optional[int] = None) -> Iterator[_Chunk]:
+    """The query chunks of (q, k, v) (``spec.py`` layout, top-left causal or dense) with fp32 P = exp(α q·kᵀ − LSE)
+    over the visible keys, LSE (B, Hq, Sq) fp32 given (rows whose LSE is ±inf: P = 0); each chunk's ``bs``,
+    ``rows``, ``keys`` index the inputs, its ``q``, ``k``, ``v`` are fp32 (K/V repeated over each GQA group).
+    What the FP32 form of a ring's passes walks (``ring.py``); run it inside ``emulation.full_fp32()``."""
+    run = _prepare(q, MaskArgs(scale=scale, causal=causal), None, 0.0, None, None, memory_budget, None, lse)
+    return _walk(q, k, v, run)
+
+
 #: ``fp32_backward``'s keywords for a backward of the forward's own P (a shard's call): its LSE, its output and
 #: the shard-row counter (taken from its ``**mask`` keywords, like the mask kwargs)
 GIVEN_FORWARD_KWARGS = ("lse", "out", "partial_rows")

@@ -101,10 +101,10 @@ class _LaunchClass:
 # bounded cache: LAUNCH_CLASS_CACHE_SIZE shape classes (least recently used dropped), keys and values small
 @functools.lru_cache(maxsize=LAUNCH_CLASS_CACHE_SIZE)
 def _launch_class(shapes, strides, sink_stride: Optional[int], mask: Tuple[bool, bool], alpha: float,
-                  cfg: DqConfig, device: int, dtype, count_partial: bool = False) -> _LaunchClass:
+                  cfg: DqConfig, device: int, dtype, count_partial: bool = False, partial: bool = False) -> _LaunchClass:
     """The ``_LaunchClass`` of a call from what it depends on (``_class_key``): the (q, k) shapes, the (q, k, v, dO,
     O, LSE, dq) strides, the sink's stride (None: no sink), (causal, bottom-right), α, the config, the device, the
-    dtype, whether shard rows are counted."""
+    dtype, whether shard rows are counted, whether it is a ring's row pass (``triton_launch.Launch.partial``)."""
     causal, bottom_right = mask
     q_shape, k_shape = shapes
     q_strides, k_strides, v_strides, do_strides, o_strides, lse_strides, dq_strides = strides
@@ -119,7 +119,7 @@ def _launch_class(shapes, strides, sink_stride: Optional[int], mask: Tuple[bool,
     layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, ROWSUM_WIDTH], gdtype)
     one_hot = TensorDescriptor(_one_hot(device, dtype, cfg.block_n), [2 * cfg.block_n, ROWSUM_WIDTH],
                                [ROWSUM_WIDTH, 1], [cfg.block_n, ROWSUM_WIDTH], layout)
-    scalars = dict(so_b=o_strides[0], so_h=o_strides[1], so_s=o_strides[2], so_d=o_strides[3],
+    scalars = dict(so_b=o_strides[0], so_h=o_strides[1], so_s=o_strides[2], so_d=o_strides[3], PARTIAL=partial,
                    sl_b=lse_strides[0], sl_h=lse_strides[1], sl_s=lse_strides[2],
                    ssink=0 if sink_stride is None else sink_stride,
                    sdq_b=dq_strides[0], sdq_h=dq_strides[1], sdq_s=dq_strides[2], sdq_d=dq_strides[3],
@@ -135,13 +135,14 @@ def _class_key(job, cfg: DqConfig) -> tuple:
     """What the launch of ``job`` takes from its shape class (``_launch_class``'s arguments). Refuses a job
     ``dq_major_reason`` would have refused (ValueError)."""
     left, right = job.window
-    if left >= 0 or right > 0 or job.varlen or not job.correct or job.softcap > 0 or job.row_sums is not None:
-        raise ValueError("launch_dq: a window, varlen, softcap, uncorrected or row-sum job (dq_major_reason)")
+    if left >= 0 or right > 0 or job.varlen or not job.correct or job.softcap > 0:
+        raise ValueError("launch_dq: a window, varlen, softcap or uncorrected job (dq_major_reason)")
     q, k = job.q, job.k
     strides = (q.stride(), k.stride(), job.v.stride(), job.do.stride(), job.o.stride(), job.lse.stride(),
                job.dq.stride())
     return ((q.shape, k.shape), strides, None if job.sink is None else job.sink.stride(0),
-            (right == 0, job.bottom_right), job.alpha, cfg, q.device.index, q.dtype, job.partial_rows is not None)
+            (right == 0, job.bottom_right), job.alpha, cfg, q.device.index, q.dtype, job.partial_rows is not None,
+            job.partial)
 
 
 def _slot_values(job, cls: _LaunchClass, scratch) -> dict:

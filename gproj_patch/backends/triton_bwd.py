@@ -67,9 +67,8 @@ r = P unrounded, block configs from ``CONFIGS_FP32``. The projection then remove
 rounding puts into D (a multiple of P per row, see above), so low-precision saved O and LSE give fp32-accurate
 gradients.
 
-**Shards of a row** (``spec.shard_mass_tolerance``, docs/math.md §8): a row whose keys' mass m = Σ low(P) misses
-the mass 1 − P_sink its LSE gives the row (ring attention's per-shard call with the merged LSE) is not projected
-(λ = 0: its dq and dk are the uncorrected ones); ``partial_rows`` counts such rows.
+**Shards of a row** (``spec.shard_mass_tolerance``, math.md §8): a row whose keys' mass Σ low(P) misses its LSE's
+1 − P_sink (a ring's per-shard call) is not projected (λ = 0); ``partial_rows`` counts such rows.
 
 **Not supported** (``kernel_unsupported_reason`` says so; callers fall back to the FP32 tier): ``attn_mask``,
 dropout, fp64 inputs (fp32 only with ``fp32=True``), head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, docs/design.md §4),
@@ -192,6 +191,15 @@ def block_config(kind: str, block_d: int, fp32: bool = False) -> Tuple[int, int,
         return table[block_d]
     wider = [d for d in table if d > block_d]
     return table[min(wider)] if wider else table[max(table)]
+
+
+def launch_configs(head_dim: int, dtype: torch.dtype, interpret: bool, config: Optional[dict] = None):
+    """(dQ-major, KV-major) block configs of a launch: ``config``'s ({"dq"|"dkdv": ...}, tests) where given, else
+    ``block_config``'s; 16×16 tiles under the interpreter."""
+    if interpret:
+        return (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1), (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1)
+    cfg, bd, fp32 = config or {}, block_d(head_dim), dtype == torch.float32
+    return cfg.get("dq") or block_config("dq", bd, fp32), cfg.get("dkdv") or block_config("dkdv", bd, fp32)
 
 
 def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
@@ -389,15 +397,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     left, right = mask.window
     if mask.causal:
         right = 0
-    BD = block_d(D)
-    cfg = dict(options._config or {})
-    if interpret:
-        cfg_dq = cfg_dkdv = (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1)
-    else:
-        fp32 = q.dtype == torch.float32
-        cfg_dq = cfg.get("dq") or block_config("dq", BD, fp32)
-        cfg_dkdv = cfg.get("dkdv") or block_config("dkdv", BD, fp32)
-
+    cfg_dq, cfg_dkdv = launch_configs(D, q.dtype, interpret, options._config)
     job = triton_launch.Launch(
         do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv, sink=sink, cu_q=cu_q, cu_k=cu_k, varlen=packed,
         n_problems=Z, max_q=MQ, max_k=MK, window=(left, right), bottom_right=mask.causal_align == "bottom_right",

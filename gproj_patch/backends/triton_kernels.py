@@ -5,7 +5,9 @@
   masked row exactly 0), both written to fp32 (B·H·S) scratch for the KV-major kernel; with a learnable sink
   (``HAS_SINK``) also T_i = P_sink,i·D_i, P_sink = 2^(s_h·log2 e − LSE2_i): the exact row sum of dS, and −T_i is
   row i's share of the sink's gradient. Then t·K (t = low(dS)), r·K (r = low(P)) and the row sums ρ = Σt,
-  m = Σr (on the tensor cores, a dot with a one-hot column); it writes dq = α(tK − λ·rK) and λ = (ρ − T)/m.
+  m = Σr (on the tensor cores, a dot with a one-hot column); it writes dq = α(tK − λ·rK) and λ = (ρ − T)/m (λ = 0
+  on shard rows, ``spec.shard_mass_tolerance``). ``PARTIAL`` (a ring's row pass, ``ring.py``): the key shard's
+  sums A = α tK, B = α rK, ρ, m instead.
 * ``_bwd_dkdv``: KV-major, one program per (key block, KV head, batch or sequence), looping over the query heads
   of its GQA group (dk/dv reduced inside one program: no atomics, no copy of K/V, deterministic). dv = Σ r·dO;
   dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ ("fused").
@@ -123,14 +125,14 @@ def _dq_tiles(acc, racc, sacc, start, end, q, do, lse2, delta, e0, e1, col, offs
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K, RB, RS, PARTIAL_ROWS,
+def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K, PARTIAL_ROWS,
             sq_b, sq_h, sq_s, sq_d,
             sk_b, sk_h, sk_s, sk_d,
             sv_b, sv_h, sv_s, sv_d,
             sdo_b, sdo_h, sdo_s, sdo_d,
             so_b, so_h, so_s, so_d,
             sl_b, sl_h, sl_s, ssink,
-            sdq_b, sdq_h, sdq_s, sdq_d, srs_b, srs_h, srs_s,
+            sdq_b, sdq_h, sdq_s, sdq_d,
             H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2, cap_in, cap_out,
             mass_rel_tol, mass_abs_tol,
             SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
@@ -217,19 +219,14 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K, RB
             rho = _rowsum(tl.where(col[None, :] == RHO_COL, sacc, 0.0))  # ρ_i = Σ_j t_ij
             msum = _rowsum(tl.where(col[None, :] == MASS_COL, sacc, 0.0))  # m_i = Σ_j r_ij
         if PARTIAL:
-            # a ring's row pass over one key shard: A = α Σ t·K, B = α Σ r·K and (ρ, m) added to the caller's
-            # fp32 accumulators (A in DQ, B in RB with DQ's strides, ρ and m in RS's columns 0 and 1); λ is the
-            # row's, formed once every shard has been added (backends/ring.py)
-            even = EVEN_M and EVEN_D
-            asum = load_rows(DQ_base, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=even)
-            store_tile(DQ_base, asum + acc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=even)
-            RB_base = RB + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s
-            bsum = load_rows(RB_base, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=even)
-            store_tile(RB_base, bsum + racc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=even)
-            RS_rows = RS + b64 * srs_b + h.to(tl.int64) * srs_h + (q_start + offs_m).to(tl.int64) * srs_s
-            inside = offs_m < q_len
-            tl.store(RS_rows, tl.load(RS_rows, mask=inside, other=0.0) + rho, mask=inside)
-            tl.store(RS_rows + 1, tl.load(RS_rows + 1, mask=inside, other=0.0) + msum, mask=inside)
+            # a ring's row pass over one key shard (backends/ring.py) stores the shard's sums, which the ring adds
+            # up: A = α Σ t·K in DQ (fp32), B = α Σ r·K HEAD_DIM elements after it (DQ a (.., 2, HEAD_DIM)
+            # buffer), ρ and m in the λ and T scratch rows (λ is the row's, formed once every shard is in)
+            store_tile(DQ_base, acc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
+            store_tile(DQ_base + HEAD_DIM * sdq_d, racc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM,
+                       EVEN=EVEN_M and EVEN_D)
+            tl.store(LAM + row, rho, mask=offs_m < q_len)
+            tl.store(TGT + row, msum, mask=offs_m < q_len)
         elif CORRECT:
             if HAS_SINK:  # the exact row sum of dS is the target T = P_sink·D, not 0
                 rho = rho - target

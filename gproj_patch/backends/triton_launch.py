@@ -50,9 +50,10 @@ class Launch:
     dq_major: str = "tl"  # the dQ-major launch's kernel: "tl" (below) or "gluon" (gluon_dq.launch_dq)
     gluon_dq_config: Optional[object] = None  # gluon_dq.DqConfig override (benchmarks)
     partial_rows: Optional[torch.Tensor] = None  # int32 (1,) on the device: the dQ-major launch adds its shard rows
-    # a ring's row pass (backends/ring.py): the dQ-major launch adds A = α Σ t·K to ``dq`` (fp32), B = α Σ r·K to
-    # ``row_sums[0]`` (dq's strides) and (ρ, m) to ``row_sums[1]`` ((B, H, Sq, 2) fp32, last stride 1)
-    row_sums: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    # a ring's row pass (backends/ring.py): the dQ-major launch stores its key shard's sums instead of dq and λ:
+    # A = α Σ t·K in ``dq`` (fp32, a (B, H, Sq, 2, D) buffer's [..., 0, :]), B = α Σ r·K in its [..., 1, :], ρ and
+    # m in the scratch's λ and T rows
+    partial: bool = False
     own_outputs: bool = False  # dq, dk, dv not ``empty_like`` q, k, v (the ring's): their layouts join the key
 
 
@@ -107,9 +108,8 @@ def tensor_arguments(kind: str, job: Launch, scratch: Scratch) -> dict:
     args = dict(Q=job.q, K=job.k, V=job.v, DO=job.do, Delta=scratch.delta, LSE2=scratch.lse2, LAM=scratch.lam,
                 CU_Q=job.cu_q, CU_K=job.cu_k)
     if kind == "dq":
-        rb, rs = job.row_sums if job.row_sums is not None else (scratch.delta, scratch.delta)
         args.update(O=job.o, LSE=job.lse, SINK=job.sink if job.sink is not None else scratch.delta, DQ=job.dq,
-                    TGT=scratch.target, RB=rb, RS=rs,
+                    TGT=scratch.target,
                     PARTIAL_ROWS=job.partial_rows if job.partial_rows is not None else scratch.delta)
     else:
         args.update(DK=job.dk, DV=job.dv)
@@ -144,9 +144,8 @@ def kernel_arguments(kind: str, job: Launch, scratch: Scratch, *, block_d: int) 
         rel_tol, abs_tol = shard_mass_tolerance(q.dtype, job.max_k)
         args.update(**_strides("so", job.o), **_strides("sl", job.lse, "bhs"),
                     ssink=job.sink.stride(0) if job.sink is not None else 0, **_strides("sdq", job.dq),
-                    **_strides("srs", job.row_sums[1] if job.row_sums is not None else job.lse, "bhs"),
                     mass_rel_tol=rel_tol, mass_abs_tol=abs_tol, HAS_SINK=job.sink is not None,
-                    PARTIAL=job.row_sums is not None, COUNT_PARTIAL=job.partial_rows is not None)
+                    PARTIAL=job.partial, COUNT_PARTIAL=job.partial_rows is not None)
     else:
         args.update(**_strides("sdk", job.dk), **_strides("sdv", job.dv), FUSED=job.fused)
     return args
@@ -157,8 +156,8 @@ def launch_key(job: Launch) -> tuple:
     (``launch_cache``): the inputs' dtypes, shapes and strides, the sink's, the varlen sizes, the mask and the
     options. The outputs and the scratch are not in it: ``triton_bwd`` allocates them from the inputs (dq, dk, dv
     ``empty_like`` q, k, v, whose strides follow from those; the scratch contiguous of a fixed shape), and each
-    tensor's 16-byte alignment is checked at every replay; a job with ``own_outputs`` (the ring's fp32 outputs and
-    row sums) adds their dtypes and strides. The cu_seqlens placeholder (q) adds nothing."""
+    tensor's 16-byte alignment is checked at every replay; a job with ``own_outputs`` (the ring's fp32 outputs)
+    adds their dtypes and strides. The cu_seqlens placeholder (q) adds nothing."""
     q, k, v, do, o, lse, sink = job.q, job.k, job.v, job.do, job.o, job.lse, job.sink
     inputs = (q.dtype, q.device.index, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape),
               v.stride(), do.dtype, do.stride(), o.dtype, o.stride(), lse.stride(),
@@ -166,10 +165,10 @@ def launch_key(job: Launch) -> tuple:
               (job.cu_q.dtype, job.cu_q.stride(), job.cu_k.stride()) if job.varlen else None)
     outputs = None
     if job.own_outputs:
-        outputs = tuple((x.dtype, x.stride()) for x in (job.dq, job.dk, job.dv) + (job.row_sums or ()))
+        outputs = tuple((x.dtype, x.stride()) for x in (job.dq, job.dk, job.dv))
     return inputs + (job.varlen, job.n_problems, job.max_q, job.max_k, job.window, job.bottom_right, job.alpha,
                      job.softcap, job.correct, job.fused, job.cfg_dq, job.cfg_dkdv, job.dot_precision,
-                     job.row_sums is not None, job.partial_rows is not None, outputs)
+                     job.partial, job.partial_rows is not None, outputs)
 
 
 def _cdiv(n: int, block: int) -> int:

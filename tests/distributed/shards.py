@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -32,18 +33,18 @@ class Problem:
     k: torch.Tensor
     v: torch.Tensor
     do: torch.Tensor
-    o: torch.Tensor  # fp64
-    lse: torch.Tensor  # fp64 (B, H, S)
+    o: Optional[torch.Tensor]  # fp64 (None: not asked for)
+    lse: Optional[torch.Tensor]  # fp64 (B, H, S)
     causal: bool
 
 
 def problem(B, H, HKV, S, D, *, offset: float = 0.0, sink: bool = False, causal: bool = False, seed: int = 0,
-            dtype=torch.bfloat16, device="cpu") -> Problem:
+            dtype=torch.bfloat16, device="cpu", forward: bool = True) -> Problem:
     """N(0, 1) draws in fp64; keys moved by ``offset``σ per coordinate (random signs: a common offset of norm
     offset·√D); ``sink``: key 0 of every head along a unit direction e that every query shares, so that each row
     gives it ~``SINK_LOGITS`` more logits than the others (the other keys' noise along e removed) — the true dq
     is then tiny while the keys are large. Rounded to ``dtype``; the forward of the rounded inputs in fp64
-    (top-left causal, as SDPA)."""
+    (top-left causal, as SDPA) unless ``forward`` is False."""
     g = torch.Generator(device=device).manual_seed(seed)
     draw = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=torch.float64)  # noqa: E731
     q, k, v, do = draw(B, H, S, D), draw(B, HKV, S, D), draw(B, HKV, S, D), draw(B, H, S, D)
@@ -59,13 +60,14 @@ def problem(B, H, HKV, S, D, *, offset: float = 0.0, sink: bool = False, causal:
             signs = signs - (signs @ e) * e  # the offset along e would move every key's sink logit alike
         k = k + offset * signs
     q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
-    o, lse = reference_forward(q, k, v, causal=causal)
+    o, lse = reference_forward(q, k, v, causal=causal) if forward else (None, None)
     return Problem(q, k, v, do, o, lse, causal)
 
 
-def whole(p: Problem):
-    """fp64 (dq, dk, dv) of the unsharded attention."""
-    return reference_backward(p.q, p.k, p.v, p.do, causal=p.causal)
+def whole(p: Problem, device=None):
+    """fp64 (dq, dk, dv) of the unsharded attention (computed on ``device``: the inputs' by default)."""
+    q, k, v, do = (x.to(device) if device is not None else x for x in (p.q, p.k, p.v, p.do))
+    return reference_backward(q, k, v, do, causal=p.causal)
 
 
 def shard_dq(p: Problem, keys: slice, rows: slice = slice(None)) -> torch.Tensor:

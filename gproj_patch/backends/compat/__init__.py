@@ -17,6 +17,7 @@ Imports of triton, transformers and flash-attn happen inside the functions: this
 | ``fa4_interface()`` | ``flash_attn.cute.interface._flash_attn_bwd`` / ``_flash_attn_fwd`` (module functions its autograd Functions look up as globals; JIT cache ``compile_cache`` on the function) | flash-attn-4 4.0.0b36 | flash-attn hook |
 | ``hf_registry_mapping(registry)`` | ``transformers`` ``AttentionInterface._global_mapping`` (and the mask interface's) | transformers 5.17, 5.24 | HF hooks |
 | ``is_context_parallel_wrapper(fn)`` | ``torch.distributed.tensor.experimental._context_parallel._attention._replaced_functions`` | torch 2.11, 2.13 | SDPA hook |
+| ``context_parallel_attention_module()``, ``RING_BACKWARD``, ``RING_NAMES`` | that module's ``_templated_ring_attention_backward`` (a module global its ``_scaled_dot_product_ring_*_backward`` functions look up at call time), ``_create_rotater``, ``_RotateMethod``, ``_AllGatherRotater``, ``_is_causal_behavior``, ``_CausalBehavior``, ``_partial_update``, ``_cp_options`` (``convert_to_f32``, ``enable_load_balance``) | torch 2.11 (read), 2.13 (CPU gloo rings) | context-parallel hook |
 | ``register_torchscript_builtin(fn, op)`` | ``torch.jit._builtins._register_builtin`` | torch 2.11, 2.13 | SDPA hook (TorchScript) |
 | ``dynamo_module_name()`` | the module ``torch._dynamo`` (imported first by ``torch.compile``; its import loads the compiled flex path) | torch 2.11, 2.13 | flex hook |
 | ``BUILTIN_SDPA`` | ``torch._C._nn.scaled_dot_product_attention`` (the C builtin behind ``F.scaled_dot_product_attention``) | torch 2.11, 2.13 | SDPA hook |
@@ -41,7 +42,8 @@ from .pytorch import (BUILTIN_SDPA, assume_constant_result, FLEX_SLICED_MASK_MOD
     CUDAGRAPH_UNSAFE_TAGS, custom_op_def, custom_op_kernel, set_custom_op_kernel, custom_op_fake,
     custom_op_signature_fn, FA2_BACKWARD_OPS, FA3_BACKWARD_OPS, FA_FORWARD_OPS, FA4_INTERFACE, FA4_BACKWARD,
     FA4_FORWARD, fa4_interface, hf_registry_mapping,
-    is_context_parallel_wrapper, register_torchscript_builtin, dynamo_module_name, FusedSdpaOp, SDPA_FUSED_OPS,
+    is_context_parallel_wrapper, context_parallel_attention_module, RING_BACKWARD, RING_NAMES,
+    register_torchscript_builtin, dynamo_module_name, FusedSdpaOp, SDPA_FUSED_OPS,
     FusedSdpaCall, sdpa_fused_call, sdpa_fused_backward)
 from .triton_runtime import (load_interpreted_module, triton_interpreter_index_patch, GLUON_CHECKED_TRITON,
     gluon_unsupported_reason, LAUNCHER_CHECKED_TRITON, compiled_launcher, launch_hooks_set, current_cuda_stream)
@@ -53,6 +55,7 @@ __all__ = ["CompatError", "BUILTIN_SDPA", "assume_constant_result", "FLEX_SLICED
            "custom_op_def", "custom_op_kernel", "set_custom_op_kernel", "custom_op_fake", "custom_op_signature_fn",
            "FA2_BACKWARD_OPS", "FA3_BACKWARD_OPS", "FA_FORWARD_OPS", "FA4_INTERFACE", "FA4_BACKWARD",
            "FA4_FORWARD", "fa4_interface", "hf_registry_mapping", "is_context_parallel_wrapper",
+           "context_parallel_attention_module", "RING_BACKWARD", "RING_NAMES",
            "register_torchscript_builtin", "dynamo_module_name", "FusedSdpaOp", "SDPA_FUSED_OPS",
            "FusedSdpaCall", "sdpa_fused_call", "sdpa_fused_backward", "load_interpreted_module",
            "triton_interpreter_index_patch", "GLUON_CHECKED_TRITON", "gluon_unsupported_reason",

@@ -236,6 +236,30 @@ def is_context_parallel_wrapper(fn) -> bool:
     return False
 
 
+#: the names of PyTorch's ring attention (``torch.distributed.tensor.experimental._context_parallel._attention``,
+#: torch 2.11 and 2.13: the same ring code, 2.13 gathers with ``all_gather_single`` where 2.11 has
+#: ``all_gather_tensor``) that the corrected ring backward replaces or calls: the module global the three
+#: ``_scaled_dot_product_ring_*_backward`` functions look up at call time, the rotaters, the per-step causal
+#: behaviour and the load-balancing chunk update, the options
+RING_BACKWARD = "_templated_ring_attention_backward"
+RING_NAMES = (RING_BACKWARD, "_create_rotater", "_RotateMethod", "_AllGatherRotater", "_is_causal_behavior",
+              "_CausalBehavior", "_partial_update", "_cp_options")
+
+
+def context_parallel_attention_module():
+    """PyTorch's ring-attention module (``_CP_MODULES[0]``), imported, with every name of ``RING_NAMES``; raises
+    ``CompatError`` where it is missing or lacks one (checked on torch 2.11, 2.13)."""
+    import importlib
+    try:
+        module = importlib.import_module(_CP_MODULES[0])
+    except ImportError as exc:
+        raise CompatError(f"{_CP_MODULES[0]} cannot be imported ({exc}; checked on torch 2.11, 2.13)") from exc
+    missing = [name for name in RING_NAMES if not hasattr(module, name)]
+    if missing:
+        raise CompatError(f"{_CP_MODULES[0]} has no {', '.join(missing)} (checked on torch 2.11, 2.13)")
+    return module
+
+
 # ---- TorchScript -------------------------------------------------------------------------------------------
 def register_torchscript_builtin(fn, op: str) -> None:
     """Make TorchScript compile calls of the Python function ``fn`` as the aten op ``op`` (what it does for the
