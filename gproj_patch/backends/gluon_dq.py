@@ -101,7 +101,8 @@ class _LaunchClass:
 # bounded cache: LAUNCH_CLASS_CACHE_SIZE shape classes (least recently used dropped), keys and values small
 @functools.lru_cache(maxsize=LAUNCH_CLASS_CACHE_SIZE)
 def _launch_class(shapes, strides, sink_stride: Optional[int], mask: Tuple[bool, bool], alpha: float,
-                  cfg: DqConfig, device: int, dtype, count_partial: bool = False, partial: bool = False) -> _LaunchClass:
+                  cfg: DqConfig, device: int, dtype, count_partial: bool = False,
+                  partial: bool = False) -> _LaunchClass:
     """The ``_LaunchClass`` of a call from what it depends on (``_class_key``): the (q, k) shapes, the (q, k, v, dO,
     O, LSE, dq) strides, the sink's stride (None: no sink), (causal, bottom-right), α, the config, the device, the
     dtype, whether shard rows are counted, whether it is a ring's row pass (``triton_launch.Launch.partial``)."""

@@ -24,8 +24,8 @@ scratch the KV-major launch reads.
 
 At the end: λ = (ρ − T)/m (0 where m = 0, and on shard rows: m short of the mass 1 − P_sink the LSE gives
 the row, ``spec.shard_mass_tolerance``, counted into ``PARTIAL_ROWS`` with ``COUNT_PARTIAL``),
-dq = α(Σ t·K − λ·Σ r·K), stored with λ. With ``PARTIAL`` (a ring's row pass, ``backends/ring.py``) instead the shard's sums
-A = α Σ t·K, B = α Σ r·K (fp32), ρ and m.
+dq = α(Σ t·K − λ·Σ r·K), stored with λ. With ``PARTIAL`` (a ring's row pass, ``backends/ring.py``) instead the
+shard's sums A = α Σ t·K, B = α Σ r·K (fp32), ρ and m.
 
 Masking: causal is "key j visible from query i iff j ≤ i + shift" (shift = 0 top-left, Sk − Sq bottom-right);
 only key tiles that cross a warpgroup's diagonal or the end of the keys take the ``where`` (a runtime branch
@@ -267,7 +267,8 @@ def _consumer(q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, 
 
 @gluon.jit
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, e_desc, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, PARTIAL_ROWS,
-               so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d, H, GROUP, SQ, SK, shift, scale, scale_log2, mass_rel_tol, mass_abs_tol,
+               so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
+               H, GROUP, SQ, SK, shift, scale, scale_log2, mass_rel_tol, mass_abs_tol,
                CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, COUNT_PARTIAL: gl.constexpr, PARTIAL: gl.constexpr,
                NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]

@@ -6,10 +6,10 @@ mass ρ_i = Σ_s Σ_{j∈s} t_ij is not 0; the row's own λ_i = ρ_i / m_i (m_i 
 and it is known only once every shard has been seen (docs/math.md §8). So two passes over the shards:
 
 * **row pass** (``RingRows.row_step`` per shard): A_i += α Σ_j t_ij k_j, B_i += α Σ_j r_ij k_j, ρ_i += Σ_j t_ij,
-  m_i += Σ_j r_ij over the shard's keys, all fp32 (the dQ-major kernels' ``PARTIAL`` mode — tl, or Gluon where it
-  takes the step — stores the shard's sums, added here). Then ``finish``: λ_i = ρ_i / m_i (0 where m_i = 0), and dq_i = A_i − λ_i B_i (``dq``):
-  exact GProj of the whole row, the partial products kept in fp32 (they carry the common key offset, which
-  cancels only across shards: rounded to BF16 they would leak again).
+  m_i += Σ_j r_ij over the shard's keys, all fp32 (the dQ-major kernels' ``PARTIAL`` mode — tl, or Gluon where
+  it takes the step — stores the shard's sums, added here). Then ``finish``: λ_i = ρ_i / m_i (0 where m_i = 0),
+  and dq_i = A_i − λ_i B_i (``dq``): exact GProj of the whole row, the partial products kept in fp32 (they carry
+  the common key offset, which cancels only across shards: rounded to BF16 they would leak again).
 * **column pass** (``RingRows.column_step`` per shard): dk_j = α Σ_i low(P_ij (dP_ij − D_i − λ_i)) q_i and
   dv_j = Σ_i low(P_ij) dO_i over this rank's rows — the KV-major launch (Gluon or tl) reading λ, D and the base-2
   LSE from the row pass's per-row scratch, its outputs fp32 (the ring adds them over ranks).
@@ -17,7 +17,10 @@ and it is known only once every shard has been seen (docs/math.md §8). So two p
 P = exp(α q·k − LSE) with the merged LSE, D_i = dO_i·O_i from the merged output, in both passes (the dQ-major
 kernel writes D and LSE2 to the scratch the KV-major one reads: the same D bit for bit). Masks: the ring's per-step
 masks — top-left causal (SDPA's) or none; GQA. The ring may pass a subset of the rows (its load balancing gives
-a shard only the second half of the queries): ``rows`` selects them, and each row range keeps its own scratch.
+some steps only the second half of the queries): ``rows`` selects them, and each row range keeps its own scratch.
+
+Memory (kernel form, beyond the ring's own fp32 dq): A and B, fp32 like 2 × q, and during the row pass a shard's
+A and B per row range (2 × q again, freed at ``finish``); per row 6 fp32 numbers of scratch.
 
 Two forms: the kernels (``kernel=True``: CUDA bf16/fp16, head dims 16..256; CPU fp16/fp32 through Triton's
 interpreter), and an FP32 form in PyTorch (``kernel=False``: any dtype and head dim, t = dS and r = P unrounded,
@@ -73,9 +76,10 @@ class RingRows:
         self.sums = torch.zeros((B, H, Sq, 2, D), dtype=torch.float32, device=q.device)
         self.stats = torch.zeros((B, H, Sq, 2), dtype=torch.float32, device=q.device)
         self.lam: Optional[torch.Tensor] = None
-        # the kernels' per-row scratch (D, LSE2, λ; a shard's ρ and m in λ's and T's rows) and a shard's A, B of
-        # each row range a step used: (start, stop) -> (Scratch, (B, H, rows, 2, D) fp32)
-        self._scratch: Dict[Tuple[int, int], Tuple[triton_launch.Scratch, torch.Tensor]] = {}
+        # the kernels' per-row scratch (D, LSE2, λ; a shard's ρ and m in λ's and T's rows) of each row range a
+        # step used, and the buffer of a shard's A, B there (the row pass only): (start, stop) -> Scratch, buffer
+        self._scratch: Dict[Tuple[int, int], triton_launch.Scratch] = {}
+        self._shard_sums: Dict[Tuple[int, int], torch.Tensor] = {}
 
     # ---- row pass ----------------------------------------------------------------------------------------------
     def row_step(self, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, rows: slice = slice(None)):
@@ -98,8 +102,9 @@ class RingRows:
         rho, msum = self.stats.unbind(-1)
         self.lam = torch.where(msum > 0, rho / torch.where(msum > 0, msum, torch.ones_like(msum)),
                                torch.zeros_like(msum))
-        for (r0, r1), (scratch, _) in self._scratch.items():
+        for (r0, r1), scratch in self._scratch.items():
             scratch.lam.view(self.q.shape[0], self.q.shape[1], r1 - r0).copy_(self.lam[:, :, r0:r1])
+        self._shard_sums.clear()
         return self.lam
 
     def dq(self) -> torch.Tensor:
@@ -120,9 +125,9 @@ class RingRows:
                     torch.zeros(v.shape, dtype=torch.float32, device=v.device))
         sel = (slice(None), slice(None), slice(r0, r1))
         if self.kernel:  # the KV-major launches write every key's dk and dv
-            if (r0, r1) not in self._scratch:
+            scratch = self._scratch.get((r0, r1))
+            if scratch is None:
                 raise RuntimeError(f"RingRows.column_step: rows [{r0}, {r1}) had no row step")
-            scratch = self._scratch[(r0, r1)][0]
             dk, dv = (torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (k, v))
             if triton_bwd._POISON_OUTPUTS:  # tests: an element the launch did not write stays NaN
                 dk.fill_(float("nan"))
@@ -162,9 +167,9 @@ class RingRows:
         n = span[1] - span[0]
         if span not in self._scratch:  # contiguous (B·H, rows) buffers, as the KV-major launches read them
             d, l2, lam, t = torch.empty((4, B * H, n), dtype=torch.float32, device=self.q.device).unbind(0)
-            sums = torch.empty((B, H, n, 2, D), dtype=torch.float32, device=self.q.device)
-            self._scratch[span] = (triton_launch.Scratch(delta=d, lse2=l2, lam=lam, target=t), sums)
-        scratch, sums = self._scratch[span]
+            self._scratch[span] = triton_launch.Scratch(delta=d, lse2=l2, lam=lam, target=t)
+            self._shard_sums[span] = torch.empty((B, H, n, 2, D), dtype=torch.float32, device=self.q.device)
+        scratch, sums = self._scratch[span], self._shard_sums[span]
         dq_major = "tl"
         if self.dq_major == "gluon":
             from .gluon_dq import dq_major_reason

@@ -32,9 +32,8 @@ DTYPE_NOTHING_TO_REPAIR = torch.float32
 
 def _ops(device):
     aten = torch.ops.aten
-    if device == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    return aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward.default
+    name = "_scaled_dot_product_flash_attention_for_cpu" if device == "cpu" else "_scaled_dot_product_flash_attention"
+    return getattr(aten, name), getattr(aten, f"{name}_backward").default
 
 
 def ring(cp, group, pieces, causal, device):

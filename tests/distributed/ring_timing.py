@@ -7,8 +7,8 @@ the two compute the same ring, so the communication would be the same bytes exce
 rotation where the rotater is not the all-gather one). Uncorrected: per step the fused backward SDPA picks (cuDNN
 on the H100/H200 image by default; ``--backend`` restricts it) with the merged output and LSE. Corrected:
 ``backends.ring.RingRows`` — the dQ-major row pass over all steps, then the KV-major column pass (each Gluon where
-the plan's rule picks it, else tl: ``context_parallel.pass_launches``). Every rank's steps run in turn on the one GPU, so each time is the sum over
-ranks (one rank's share is 1/W of it).
+the plan's rule picks it, else tl: ``context_parallel.pass_launches``). Every rank's steps run in turn on the one
+GPU, so each time is the sum over ranks (one rank's share is 1/W of it).
 
 For each configuration, first correctness: fresh random BF16 inputs (a random seed, keys at a 200σ common offset),
 the kernels' outputs poisoned with NaN before their launches, both rings against fp64 of the whole attention (the
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                    **{f"ms_{n.replace(' ', '_')}": t for n, t in times.items()})
         rows.append(row)
         print(json.dumps(row), flush=True)
-    lines = [f"{device}, torch {torch.__version__}; ms = median of triton.testing.do_bench, all ranks' steps on one GPU",
+    lines = [f"{device}, torch {torch.__version__}; ms: triton.testing.do_bench medians, all ranks' steps on one GPU",
              f"{'config':28s} {'dq err pytorch':>14s} {'dq err gproj':>12s} {'pytorch ms':>10s} {'gproj ms':>9s} "
              f"{'ratio':>6s} {'rows ms':>8s} {'cols ms':>8s}"]
     for r in rows:
