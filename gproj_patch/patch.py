@@ -105,9 +105,9 @@ _logger.addHandler(_LastResort())
 
 
 def _installers():
-    from .integrations import flash_attn, flex, hf_eager, sdpa, transformers
+    from .integrations import context_parallel, flash_attn, flex, hf_eager, sdpa, transformers
     return {"sdpa": sdpa, "flash_attn": flash_attn, "transformers": transformers, "hf_eager": hf_eager,
-            "flex": flex}
+            "flex": flex, "context_parallel": context_parallel}
 
 
 class Handle:

@@ -43,8 +43,9 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from .emulation import full_fp32, tile_scores
-from .spec import (MaskArgs, MaskSpec, Varlen, default_scale, expand_attn_mask, segments, validate_attn_mask,
-                   validate_cu_seqlens, validate_qkv, validate_sink)
+from .spec import (MASK_KWARGS, MaskArgs, MaskSpec, Varlen, default_scale, expand_attn_mask, normalize_lse,
+                   segments, shard_mass_tolerance, split_keywords, validate_attn_mask, validate_cu_seqlens,
+                   validate_qkv, validate_sink)
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
 CUDA_MEMORY_BUDGET_CAP = 2 << 30
@@ -92,6 +93,7 @@ class _Pass:
     sink: Optional[torch.Tensor]
     budget: int
     chunk_size: Optional[int]
+    lse: Optional[torch.Tensor] = None  # (B, Hq, Sq) fp32: P taken relative to this LSE (a shard's call)
 
 
 def _check(q, k, v, attn_mask, dropout_p, dropout_seed, varlen: Varlen, extra=(), check_finite=True, sink=None,
@@ -189,7 +191,12 @@ def _walk(q, k, v, run: _Pass) -> Iterator[_Chunk]:
                 s = s.masked_fill(~mb, float("-inf")) if mb.dtype == torch.bool else s + mb.to(torch.float32)
             if vis is not None:
                 s = s.masked_fill(~vis, float("-inf"))
-            p, lse, psink = _softmax(s, sink_col)
+            if run.lse is None:
+                p, lse, psink = _softmax(s, sink_col)
+            else:  # P relative to the given LSE (its keys may be one shard of the row); ±inf rows: P = 0
+                lse = run.lse[bs, :, rows]
+                p = torch.exp(s - torch.where(torch.isfinite(lse), lse, float("inf"))[..., None])
+                psink = None
             ch = _Chunk()
             ch.bs, ch.rows, ch.keys, ch.q, ch.k, ch.v, ch.p, ch.tau = bs, rows, keys, Q, Kc, Vc, p, tau
             ch.lse, ch.psink = lse, psink
@@ -204,12 +211,13 @@ def _walk(q, k, v, run: _Pass) -> Iterator[_Chunk]:
             yield ch
 
 
-def _prepare(q, mask: MaskArgs, attn_mask, dropout_p, dropout_seed, chunk_size, memory_budget, sink) -> _Pass:
+def _prepare(q, mask: MaskArgs, attn_mask, dropout_p, dropout_seed, chunk_size, memory_budget, sink,
+             lse=None) -> _Pass:
     """The pass of one call, after ``_check``: the validated mask, the scale and the memory budget."""
     spec = mask.mask_spec()
     alpha = default_scale(q.shape[-1], mask.scale)
     budget = _default_budget(q.device) if memory_budget is None else memory_budget
-    return _Pass(alpha, spec, mask.varlen, attn_mask, dropout_p, dropout_seed, sink, budget, chunk_size)
+    return _Pass(alpha, spec, mask.varlen, attn_mask, dropout_p, dropout_seed, sink, budget, chunk_size, lse)
 
 
 def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
@@ -239,29 +247,55 @@ def fp32_forward(q, k, v, *, attn_mask=None, dropout_p: float = 0.0, dropout_see
     return out, lse
 
 
+def given_lse_chunks(q, k, v, lse, *, scale: Optional[float] = None, causal: bool = False,
+                     memory_budget: Optional[int] = None) -> Iterator[_Chunk]:
+    """The query chunks of (q, k, v) (``spec.py`` layout, top-left causal or dense) with fp32 P = exp(α q·kᵀ − LSE)
+    over the visible keys, LSE (B, Hq, Sq) fp32 given (rows whose LSE is ±inf: P = 0); each chunk's ``bs``,
+    ``rows``, ``keys`` index the inputs, its ``q``, ``k``, ``v`` are fp32 (K/V repeated over each GQA group).
+    What the FP32 form of a ring's passes walks (``ring.py``); run it inside ``emulation.full_fp32()``."""
+    run = _prepare(q, MaskArgs(scale=scale, causal=causal), None, 0.0, None, None, memory_budget, None, lse)
+    return _walk(q, k, v, run)
+
+
+#: ``fp32_backward``'s keywords for a backward of the forward's own P (a shard's call): its LSE, its output and
+#: the shard-row counter (taken from its ``**mask`` keywords, like the mask kwargs)
+GIVEN_FORWARD_KWARGS = ("lse", "out", "partial_rows")
+
+
 def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                   project: bool = True, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
                   check_finite: bool = True, sink: Optional[torch.Tensor] = None, **mask):
     """(dq, dk, dv) fp32 of ⟨do, attention(q, k, v)⟩, recomputed in FP32; GProj projection unless project=False.
 
-    ``mask``: the mask kwargs (``spec.MASK_KWARGS``). dk/dv are summed over each query-head group (GQA). Rows
-    that see no key get zero gradients.
+    ``mask``: the mask kwargs (``spec.MASK_KWARGS``) and, together or not at all, ``lse`` and ``out``
+    (``GIVEN_FORWARD_KWARGS``): the forward's natural-log LSE (any layout ``spec.normalize_lse`` reads) and its
+    output. With them P is taken relative to that LSE and D = rowsum(dO ∘ out) from that output, as a fused
+    backward does, so a call over one shard of a row's keys (ring attention's per-shard call with the merged LSE
+    and output) gets the gradient of its part of the attention; rows whose keys' mass Σ_j P_ij misses 1 by more
+    than ``spec.shard_mass_tolerance`` are such shards and are not projected (their true dS sum is not 0), and
+    ``partial_rows`` (an int32 tensor of one element) gets their count added (rows whose LSE is ±inf are not
+    counted). Not with a sink (its path recomputes the forward). dk/dv are summed over each query-head group
+    (GQA). Rows that see no key get zero gradients.
     ``check_finite=False`` lets inf/NaN propagate into the gradients (as a fused backward does) instead of raising.
     ``sink`` (Hq,): learnable sink logits (module docstring); the result is then (dq, dk, dv, dsink), dsink (Hq,)
     fp32.
     """
+    mask, given = split_keywords("fp32_backward", mask, MASK_KWARGS, GIVEN_FORWARD_KWARGS)
     args = MaskArgs.from_kwargs("fp32_backward", mask)
     _check(q, k, v, attn_mask, dropout_p, dropout_seed, args.varlen, extra=(("do", do),), check_finite=check_finite,
            sink=sink, softcap=args.softcap)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
+    lse, out = _given_forward(given, sink, q)
     dq = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
     dk_full = torch.zeros(B, Hq, Sk, D, dtype=torch.float32, device=q.device)
     dv_full = torch.zeros(B, Hq, Sk, v.shape[-1], dtype=torch.float32, device=q.device)
     dsink = torch.zeros(Hq, dtype=torch.float32, device=q.device)
+    mass = None if lse is None else torch.zeros(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    rel_tol, abs_tol = shard_mass_tolerance(torch.float32, Sk)
     # after the accumulators: on CUDA the budget reads the free memory, and the chunking must not change
-    run = _prepare(q, args, attn_mask, dropout_p, dropout_seed, chunk_size, memory_budget, sink)
+    run = _prepare(q, args, attn_mask, dropout_p, dropout_seed, chunk_size, memory_budget, sink, lse)
     alpha = run.alpha
     with full_fp32():
         for ch in _walk(q, k, v, run):
@@ -271,7 +305,8 @@ def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropou
             dP = torch.matmul(dO, ch.v.transpose(-1, -2))
             if ch.z is not None:
                 dP = dP * ch.z
-            Dr = (dO * torch.matmul(pd, ch.v)).sum(-1, keepdim=True)
+            o_rows = torch.matmul(pd, ch.v) if out is None else out[ch.bs, :, ch.rows].to(torch.float32)
+            Dr = (dO * o_rows).sum(-1, keepdim=True)
             g = p * (dP - Dr)
             target = torch.zeros_like(Dr) if ch.psink is None else ch.psink * Dr  # exact Σ_j G: P_sink·D
             if ch.psink is not None:
@@ -280,15 +315,53 @@ def fp32_backward(q, k, v, do, *, attn_mask=None, dropout_p: float = 0.0, dropou
             gt = g if ch.tau is None else g * ch.tau
             dqc = torch.matmul(gt, ch.k)
             dkc = torch.matmul(gt.transpose(-1, -2), ch.q)
+            msum = p.sum(-1, keepdim=True)
+            if mass is not None:
+                mass[ch.bs, :, ch.rows] = msum.squeeze(-1)
             if project:
-                msum = p.sum(-1, keepdim=True)
                 rho = g.sum(-1, keepdim=True)
                 lam = torch.where(msum > 0, (rho - target) / torch.where(msum > 0, msum, 1.0), torch.zeros_like(msum))
+                if mass is not None:  # a shard of the row (its keys' mass short of 1): not projected
+                    lam = torch.where((msum - 1.0).abs() > rel_tol + abs_tol, torch.zeros_like(lam), lam)
                 pt = p if ch.tau is None else p * ch.tau
                 dqc = dqc - lam * torch.matmul(pt, ch.k)
                 dkc = dkc - torch.matmul((lam * pt).transpose(-1, -2), ch.q)
             dq[ch.bs, :, ch.rows] = alpha * dqc
             dk_full[ch.bs, :, ch.keys] += alpha * dkc
+    if mass is not None and given.get("partial_rows") is not None:
+        given["partial_rows"].add_(_shard_rows(mass, lse, args.varlen, rel_tol + abs_tol))
     dk = dk_full.view(B, Hkv, group, Sk, D).sum(2)
     dv = dv_full.view(B, Hkv, group, Sk, -1).sum(2)
     return (dq, dk, dv) if sink is None else (dq, dk, dv, dsink)
+
+
+def _given_forward(given: dict, sink, q) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(LSE as (B, Hq, Sq) fp32, output) of ``fp32_backward``'s ``GIVEN_FORWARD_KWARGS`` (None, None without);
+    ValueError where they cannot be used."""
+    lse, out, counter = given.get("lse"), given.get("out"), given.get("partial_rows")
+    if (lse is None) != (out is None):
+        raise ValueError("fp32_backward: lse and out are given together (P from the LSE, D from the output)")
+    if counter is not None and not (isinstance(counter, torch.Tensor) and counter.numel() == 1
+                                    and counter.dtype == torch.int32 and counter.device == q.device):
+        raise ValueError("partial_rows must be an int32 tensor of one element on q's device")
+    if lse is None:
+        return None, None
+    if sink is not None:
+        raise ValueError("fp32_backward: a sink recomputes the forward (no lse/out with a sink)")
+    B, Hq, Sq, _ = q.shape
+    if not isinstance(out, torch.Tensor) or out.shape[:3] != (B, Hq, Sq) or out.device != q.device:
+        raise ValueError(f"fp32_backward: out must be (B, Hq, Sq, Dv) = ({B}, {Hq}, {Sq}, ·) on q's device")
+    return normalize_lse(lse, B, Hq, Sq), out
+
+
+def _shard_rows(mass: torch.Tensor, lse: torch.Tensor, varlen: Varlen, tol: float) -> torch.Tensor:
+    """How many rows with a finite LSE have their keys' mass (0 for rows that saw none of them) more than ``tol``
+    from 1: the shard rows the walk left unprojected, and those it never reached (no key of theirs here). Rows
+    outside every varlen sequence are not rows."""
+    rows = torch.isfinite(lse) & ((mass - 1.0).abs() > tol)
+    if varlen.cu_seqlens_q is not None:
+        inside = torch.zeros_like(rows)
+        for seg in segments(lse.shape[0], lse.shape[2], 0, varlen.cu_seqlens_q, varlen.cu_seqlens_k):
+            inside[seg.batch, :, seg.q_start:seg.q_start + seg.q_len] = True
+        rows = rows & inside
+    return rows.sum().to(torch.int32).reshape(1)

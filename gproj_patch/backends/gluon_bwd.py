@@ -266,7 +266,7 @@ def _launch_class(q_shape, q_strides, k_shape, kv_strides, do_strides, dkdv_stri
                   bottom_right: bool, alpha: float, cfg: KernelConfig) -> _LaunchClass:
     """The ``_LaunchClass`` of a call from what it depends on (``_launch_arguments`` passes the tensors' shapes
     and strides; the constructor's checks of the descriptors run here, once per class)."""
-    (sdk, sdv) = dkdv_strides
+    (sdk, sdv, _, _) = dkdv_strides  # and dk's, dv's dtypes: the compiled kernel's pointer types
     if sdk[-1] != 1 or sdv[-1] != 1:
         raise ValueError("launch_dkdv: dk and dv need a contiguous last dim")
     B, H, SQ, _ = q_shape
@@ -291,7 +291,8 @@ def _class_key(job, cfg: KernelConfig) -> tuple:
         raise ValueError("launch_dkdv: a window, varlen, or uncorrected/two-product job (kv_major_reason)")
     q, k = job.q, job.k
     return (q.shape, q.stride(), k.shape, (k.stride(), job.v.stride()), job.do.stride(),
-            (job.dk.stride(), job.dv.stride()), q.dtype, right == 0, job.bottom_right, job.alpha, cfg)
+            (job.dk.stride(), job.dv.stride(), job.dk.dtype, job.dv.dtype), q.dtype, right == 0, job.bottom_right,
+            job.alpha, cfg)
 
 
 def _slot_values(job, cls: _LaunchClass, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor) -> dict:

@@ -23,6 +23,7 @@ from . import gluon_bwd
 from .gluon_bwd import (LAUNCH_CLASS_CACHE_SIZE, LOG2_E, UNAVAILABLE_REASON, bound_descriptor, gluon_reason,
                         tile_template)
 from .launch_cache import PREPARED
+from .spec import shard_mass_tolerance
 
 if UNAVAILABLE_REASON is None:  # pragma: no cover - depends on the installed Triton
     import triton
@@ -100,9 +101,11 @@ class _LaunchClass:
 # bounded cache: LAUNCH_CLASS_CACHE_SIZE shape classes (least recently used dropped), keys and values small
 @functools.lru_cache(maxsize=LAUNCH_CLASS_CACHE_SIZE)
 def _launch_class(shapes, strides, sink_stride: Optional[int], mask: Tuple[bool, bool], alpha: float,
-                  cfg: DqConfig, device: int, dtype) -> _LaunchClass:
+                  cfg: DqConfig, device: int, dtype, count_partial: bool = False,
+                  partial: bool = False) -> _LaunchClass:
     """The ``_LaunchClass`` of a call from what it depends on (``_class_key``): the (q, k) shapes, the (q, k, v, dO,
-    O, LSE, dq) strides, the sink's stride (None: no sink), (causal, bottom-right), α, the config, the device."""
+    O, LSE, dq) strides, the sink's stride (None: no sink), (causal, bottom-right), α, the config, the device, the
+    dtype, whether shard rows are counted, whether it is a ring's row pass (``triton_launch.Launch.partial``)."""
     causal, bottom_right = mask
     q_shape, k_shape = shapes
     q_strides, k_strides, v_strides, do_strides, o_strides, lse_strides, dq_strides = strides
@@ -113,15 +116,17 @@ def _launch_class(shapes, strides, sink_stride: Optional[int], mask: Tuple[bool,
              tile_template(k_shape, v_strides, dtype, cfg.block_n),
              tile_template(q_shape, do_strides, dtype, ROWS_PER_WG))
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    rel_tol, abs_tol = shard_mass_tolerance(dtype, SK)
     layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, ROWSUM_WIDTH], gdtype)
     one_hot = TensorDescriptor(_one_hot(device, dtype, cfg.block_n), [2 * cfg.block_n, ROWSUM_WIDTH],
                                [ROWSUM_WIDTH, 1], [cfg.block_n, ROWSUM_WIDTH], layout)
-    scalars = dict(so_b=o_strides[0], so_h=o_strides[1], so_s=o_strides[2], so_d=o_strides[3],
+    scalars = dict(so_b=o_strides[0], so_h=o_strides[1], so_s=o_strides[2], so_d=o_strides[3], PARTIAL=partial,
                    sl_b=lse_strides[0], sl_h=lse_strides[1], sl_s=lse_strides[2],
                    ssink=0 if sink_stride is None else sink_stride,
                    sdq_b=dq_strides[0], sdq_h=dq_strides[1], sdq_s=dq_strides[2], sdq_d=dq_strides[3],
                    H=H, GROUP=H // HKV, SQ=SQ, SK=SK, shift=SK - SQ if (causal and bottom_right) else 0,
-                   scale=alpha, scale_log2=alpha * LOG2_E, CAUSAL=causal, HAS_SINK=sink_stride is not None,
+                   scale=alpha, scale_log2=alpha * LOG2_E, mass_rel_tol=rel_tol, mass_abs_tol=abs_tol,
+                   CAUSAL=causal, HAS_SINK=sink_stride is not None, COUNT_PARTIAL=count_partial,
                    NUM_STAGES=cfg.num_stages, OVERLAP=cfg.overlap)
     return _LaunchClass(grid=(triton.cdiv(SQ, ROWS_PER_CTA), H, B), tiles=tiles, one_hot=one_hot,
                         scalars=scalars)
@@ -137,7 +142,8 @@ def _class_key(job, cfg: DqConfig) -> tuple:
     strides = (q.stride(), k.stride(), job.v.stride(), job.do.stride(), job.o.stride(), job.lse.stride(),
                job.dq.stride())
     return ((q.shape, k.shape), strides, None if job.sink is None else job.sink.stride(0),
-            (right == 0, job.bottom_right), job.alpha, cfg, q.device.index, q.dtype)
+            (right == 0, job.bottom_right), job.alpha, cfg, q.device.index, q.dtype, job.partial_rows is not None,
+            job.partial)
 
 
 def _slot_values(job, cls: _LaunchClass, scratch) -> dict:
@@ -146,7 +152,8 @@ def _slot_values(job, cls: _LaunchClass, scratch) -> dict:
     return {"q_desc": bound_descriptor(tq, job.q), "k_desc": bound_descriptor(tk, job.k),
             "v_desc": bound_descriptor(tv, job.v), "do_desc": bound_descriptor(tdo, job.do), "e_desc": cls.one_hot,
             "O": job.o, "LSE": job.lse, "SINK": job.sink if job.sink is not None else scratch.delta, "DQ": job.dq,
-            "Delta": scratch.delta, "LSE2": scratch.lse2, "LAM": scratch.lam, "TGT": scratch.target}
+            "Delta": scratch.delta, "LSE2": scratch.lse2, "LAM": scratch.lam, "TGT": scratch.target,
+            "PARTIAL_ROWS": job.partial_rows if job.partial_rows is not None else scratch.delta}
 
 
 def dq_arguments(job, scratch, cfg: DqConfig) -> dict:

@@ -22,7 +22,10 @@ scratch the KV-major launch reads.
   hands the remaining slots back unread. With ``OVERLAP`` a consumer also overlaps its own elementwise work
   with its products (P's exp2 under dP, dS under the two r products; bitwise the same results).
 
-At the end: λ = (ρ − T)/m (0 where m = 0), dq = α(Σ t·K − λ·Σ r·K), stored with λ.
+At the end: λ = (ρ − T)/m (0 where m = 0, and on shard rows: m short of the mass 1 − P_sink the LSE gives
+the row, ``spec.shard_mass_tolerance``, counted into ``PARTIAL_ROWS`` with ``COUNT_PARTIAL``),
+dq = α(Σ t·K − λ·Σ r·K), stored with λ. With ``PARTIAL`` (a ring's row pass, ``backends/ring.py``) instead the
+shard's sums A = α Σ t·K, B = α Σ r·K (fp32), ρ and m.
 
 Masking: causal is "key j visible from query i iff j ≤ i + shift" (shift = 0 top-left, Sk − Sq bottom-right);
 only key tiles that cross a warpgroup's diagonal or the end of the keys take the ``where`` (a runtime branch
@@ -149,9 +152,10 @@ def _tile(q_t, do_t, k_s, v_s, e0_t, e1_t, ready, empty, acc, racc, sacc, j, off
 
 @gluon.jit
 def _consumer(q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT,
-              so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
-              b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2,
-              CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, OVERLAP: gl.constexpr, WG: gl.constexpr):
+              PARTIAL_ROWS, so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
+              b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2, mass_rel_tol, mass_abs_tol,
+              CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, COUNT_PARTIAL: gl.constexpr, PARTIAL: gl.constexpr,
+              OVERLAP: gl.constexpr, WG: gl.constexpr):
     """dq and λ of query rows [m0 + WG·ROWS_PER_WG, + ROWS_PER_WG) over the key tiles they see; first their
     rows' D, LSE2 (and T) to the scratch."""
     BLOCK_N: gl.constexpr = k_s.shape[1]
@@ -189,8 +193,8 @@ def _consumer(q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, 
     if HAS_SINK:
         # T_i = P_sink,i·D_i, P_sink = 2^(s_h·log2 e − LSE2_i): the exact row sum of dS with a sink
         sink2 = gl.load(SINK + h * ssink).to(gl.float32) * RCP_LN2
-        target = gl.exp2(sink2 - lse2) * delta
-        gl.store(TGT + scratch_row0 + offs_m, target, mask=inside)
+        p_sink = gl.exp2(sink2 - lse2)  # kept through the key loop (T and the row's mass 1 − P_sink from it)
+        gl.store(TGT + scratch_row0 + offs_m, p_sink * delta, mask=inside)
 
     # keys [0, hi) are seen by these rows; tiles [0, full_hi) by every one of them (no mask)
     hi = SK + row0 * 0
@@ -221,26 +225,52 @@ def _consumer(q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, 
     col = gl.arange(0, ROWSUM_WIDTH, layout=gl.SliceLayout(0, sum_layout))
     rho = gl.convert_layout(gl.sum(gl.where(col[None, :] == RHO_COL, sacc, 0.0), axis=1), acc_rows)
     msum = gl.convert_layout(gl.sum(gl.where(col[None, :] == MASS_COL, sacc, 0.0), axis=1), acc_rows)
-    if HAS_SINK:  # the exact row sum of dS is the target T = P_sink·D, not 0
-        rho = rho - gl.convert_layout(target, acc_rows)
-    # λ_i = (ρ_i − T_i) / m_i: the multiple of r_i that carries the row sum t_i should not have (0: no mass)
-    lam = gl.where(msum > 0.0, rho / gl.where(msum > 0.0, msum, 1.0), 0.0)
-    # the projection t − λ·r, applied to the fp32 products (Σ t·K − λ·Σ r·K), never rounded again
-    dq = (acc - lam[:, None] * racc) * scale
     offs_ma = row0 + gl.arange(0, ROWS_PER_WG, layout=acc_rows)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    keep = offs_ma < SQ
-    gl.store(LAM + scratch_row0 + offs_ma, lam, mask=keep)
-    gl.store(DQ + b64 * sdq_b + h64 * sdq_h + offs_ma.to(gl.int64)[:, None] * sdq_s + offs_d[None, :] * sdq_d,
-             dq.to(dtype), mask=keep[:, None] & (offs_d < HEAD_DIM)[None, :])
+    if PARTIAL:
+        # a ring's row pass over one key shard (backends/ring.py) stores the shard's sums, which the ring adds up:
+        # A = α Σ t·K in DQ (fp32), B = α Σ r·K HEAD_DIM elements after it (DQ a (.., 2, HEAD_DIM) buffer), ρ and
+        # m in the λ and T scratch rows (λ is the row's, formed once every shard is in)
+        keep = offs_ma < SQ
+        tile = DQ + b64 * sdq_b + h64 * sdq_h + offs_ma.to(gl.int64)[:, None] * sdq_s + offs_d[None, :] * sdq_d
+        tile_mask = keep[:, None] & (offs_d < HEAD_DIM)[None, :]
+        gl.store(tile, acc * scale, mask=tile_mask)
+        gl.store(tile + HEAD_DIM * sdq_d, racc * scale, mask=tile_mask)
+        gl.store(LAM + scratch_row0 + offs_ma, rho, mask=keep)
+        gl.store(TGT + scratch_row0 + offs_ma, msum, mask=keep)
+    else:
+        if HAS_SINK:  # the exact row sum of dS is the target T = P_sink·D, not 0
+            p_sink = gl.convert_layout(p_sink, acc_rows)
+            rho = rho - p_sink * gl.convert_layout(delta, acc_rows)
+        # λ_i = (ρ_i − T_i) / m_i: the multiple of r_i that carries the row sum t_i should not have (0: no mass)
+        lam = gl.where(msum > 0.0, rho / gl.where(msum > 0.0, msum, 1.0), 0.0)
+        # a row whose LSE does not give these keys its full mass M = 1 − P_sink (|m − M| beyond low(P)'s rounding,
+        # spec.shard_mass_tolerance) is a shard of a row: not projected (λ = 0); rows that saw no key are not
+        # shards. M is formed here, not kept through the key loop (registers)
+        lse2_rows = gl.convert_layout(lse2, acc_rows)
+        if HAS_SINK:
+            mass = 1.0 - p_sink
+            shard = gl.abs(msum - mass) > mass_rel_tol * mass + mass_abs_tol
+        else:
+            shard = gl.abs(msum - 1.0) > mass_rel_tol + mass_abs_tol
+        shard = shard & (lse2_rows < float("inf"))
+        lam = gl.where(shard, 0.0, lam)
+        # the projection t − λ·r, applied to the fp32 products (Σ t·K − λ·Σ r·K), never rounded again
+        dq = (acc - lam[:, None] * racc) * scale
+        keep = offs_ma < SQ
+        if COUNT_PARTIAL:  # one atomic per warpgroup: a count, never a gradient (those stay deterministic)
+            gl.atomic_add(PARTIAL_ROWS, gl.sum((shard & keep).to(gl.int32), axis=0))
+        gl.store(LAM + scratch_row0 + offs_ma, lam, mask=keep)
+        gl.store(DQ + b64 * sdq_b + h64 * sdq_h + offs_ma.to(gl.int64)[:, None] * sdq_s + offs_d[None, :] * sdq_d,
+                 dq.to(dtype), mask=keep[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @gluon.jit
-def _dq_kernel(q_desc, k_desc, v_desc, do_desc, e_desc, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT,
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc, e_desc, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, PARTIAL_ROWS,
                so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
-               H, GROUP, SQ, SK, shift, scale, scale_log2,
-               CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-               num_warps: gl.constexpr):
+               H, GROUP, SQ, SK, shift, scale, scale_log2, mass_rel_tol, mass_abs_tol,
+               CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, COUNT_PARTIAL: gl.constexpr, PARTIAL: gl.constexpr,
+               NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -276,11 +306,13 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, e_desc, O, LSE, SINK, DQ, Delta,
 
     gl.warp_specialize([
         (_consumer, (q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT,
-                     so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
-                     b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2, CAUSAL, HAS_SINK, OVERLAP, 0)),
+                     PARTIAL_ROWS, so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
+                     b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2, mass_rel_tol, mass_abs_tol, CAUSAL,
+                     HAS_SINK, COUNT_PARTIAL, PARTIAL, OVERLAP, 0)),
         (_consumer, (q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT,
-                     so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
-                     b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2, CAUSAL, HAS_SINK, OVERLAP, 1)),
+                     PARTIAL_ROWS, so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, ssink, sdq_b, sdq_h, sdq_s, sdq_d,
+                     b, h, m0, n_tiles, H, SQ, SK, shift, scale, scale_log2, mass_rel_tol, mass_abs_tol, CAUSAL,
+                     HAS_SINK, COUNT_PARTIAL, PARTIAL, OVERLAP, 1)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, e_desc, q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty,
                      b, h, hk, m0, n_tiles)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

@@ -224,10 +224,11 @@ def _consumer(k_s, v_s, q_s, do_s, lse2_s, delta_s, lam_s, kv_bar, ready, empty,
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     keep = (offs_na[:, None] < SK) & (offs_d[None, :] < HEAD_DIM)
     rows = offs_na.to(gl.int64)[:, None]
+    # in the outputs' dtype: the inputs' (a backward), or fp32 (a ring's column pass, which adds them over ranks)
     gl.store(DK + b.to(gl.int64) * sdk_b + hk.to(gl.int64) * sdk_h + rows * sdk_s + offs_d[None, :],
-             (dk * scale).to(dtype), mask=keep)
+             (dk * scale).to(DK.dtype.element_ty), mask=keep)
     gl.store(DV + b.to(gl.int64) * sdv_b + hk.to(gl.int64) * sdv_h + rows * sdv_s + offs_d[None, :],
-             dv.to(dtype), mask=keep)
+             dv.to(DV.dtype.element_ty), mask=keep)
 
 
 @gluon.jit

@@ -298,3 +298,35 @@ def validate_sink(sink, q: torch.Tensor, *, softcap: float = 0.0) -> None:
     reason = sink_unsupported_reason(sink, q, softcap=softcap)
     if reason is not None:
         raise ValueError(reason)
+
+
+# Shards of a row ------------------------------------------------------------------------------------------------
+#
+# A backward given an LSE that does not normalize its keys' probabilities, Σ_j P_ij < 1 − P_sink,i, computes the
+# gradient of one shard of row i (ring attention calls the fused backward per key shard with the merged output
+# and LSE). The shard's exact dS has a non-zero row sum (only the whole row's sums to 0), so projecting it to
+# zero is wrong by that sum: a shard row keeps λ = 0 (docs/math.md §8). A row is a shard when its keys' mass
+# m = Σ_j low(P_ij) misses M = 1 − P_sink by more than a full row's m can:
+#   * low(P)'s rounding: |low(p) − p| ≤ u·p (u = 2^-8 bf16, 2^-11 fp16, 0 for fp32 P), coherent in the worst
+#     case: uniform rows over N keys have m = N·low(1/N) = 1 + 0.99·2^-8 in bf16 at N = 255;
+#   * the scores recomputed against the forward's LSE (another kernel's fp32 sums; a common key offset makes
+#     their rounding common to the row's keys, and it grows with |LSE|'s fp32 spacing): 1.4e-4 (2^-12.8) at a
+#     512σ key offset (|LSE| ≈ 1800), D = 64 and 128, fp32 scores against the fp64 LSE on the CPU;
+#   * m's fp32 sum over the key tiles: ≤ (n/64 + 6)·2^-24·m, 2^-10 at a million keys;
+#   * fp16 only: P below 2^-14 is subnormal, rounded to a multiple of 2^-24, ≤ 2^-25 per key and not relative
+#     to M (uniform rows over 10^5 keys: 0.3% of m).
+# So the tolerance is SHARD_MASS_REL_TOL·M + n·(2^-25 in fp16), n the keys: 2^-7 is twice bf16's worst
+# coherent rounding and leaves 2^-8 for the other two. A shard whose keys miss less than that of the row's mass
+# is projected as a full row: its dq then loses the shard's true dS sum, at most about 2^-7·Σ_j|dS_ij| along
+# the mean key — the size of an uncorrected BF16 backward's leak bound 2u·Σ|dS| (math.md §3, §8).
+
+#: relative tolerance of the shard test (above)
+SHARD_MASS_REL_TOL = 2.0 ** -7
+#: the largest rounding error of one fp16 subnormal (half its spacing 2^-24)
+FP16_SUBNORMAL_ERROR = 2.0 ** -25
+
+
+def shard_mass_tolerance(dtype: torch.dtype, n_keys: int) -> Tuple[float, float]:
+    """(relative, absolute) tolerance of the shard test for P rounded to ``dtype`` (fp32: unrounded) over rows of
+    at most ``n_keys`` keys: a row is a shard when |m − M| > relative·M + absolute (comment above)."""
+    return SHARD_MASS_REL_TOL, (FP16_SUBNORMAL_ERROR * n_keys if dtype == torch.float16 else 0.0)

@@ -67,6 +67,9 @@ r = P unrounded, block configs from ``CONFIGS_FP32``. The projection then remove
 rounding puts into D (a multiple of P per row, see above), so low-precision saved O and LSE give fp32-accurate
 gradients.
 
+**Shards of a row** (``spec.shard_mass_tolerance``, math.md §8): a row whose keys' mass Σ low(P) misses its LSE's
+1 − P_sink (a ring's per-shard call) is not projected (λ = 0); ``partial_rows`` counts such rows.
+
 **Not supported** (``kernel_unsupported_reason`` says so; callers fall back to the FP32 tier): ``attn_mask``,
 dropout, fp64 inputs (fp32 only with ``fp32=True``), head dim > 256, bf16 under the Triton interpreter (its bf16 is wrong, docs/design.md §4),
 a sink of the wrong shape, dtype or device, softcap with a sink.
@@ -190,6 +193,15 @@ def block_config(kind: str, block_d: int, fp32: bool = False) -> Tuple[int, int,
     return table[min(wider)] if wider else table[max(table)]
 
 
+def launch_configs(head_dim: int, dtype: torch.dtype, interpret: bool, config: Optional[dict] = None):
+    """(dQ-major, KV-major) block configs of a launch: ``config``'s ({"dq"|"dkdv": ...}, tests) where given, else
+    ``block_config``'s; 16×16 tiles under the interpreter."""
+    if interpret:
+        return (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1), (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1)
+    cfg, bd, fp32 = config or {}, block_d(head_dim), dtype == torch.float32
+    return cfg.get("dq") or block_config("dq", bd, fp32), cfg.get("dkdv") or block_config("dkdv", bd, fp32)
+
+
 def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
                               attn_mask=None, softcap: float = 0.0, sink=None, fp32: bool = False,
                               cpu_kernel: bool = False, **_ignored) -> Optional[str]:
@@ -257,7 +269,8 @@ KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
 
 
 def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, *, sink: Optional[torch.Tensor] = None, **mask_and_options):
+                   lse: torch.Tensor, *, sink: Optional[torch.Tensor] = None,
+                   partial_rows: Optional[torch.Tensor] = None, **mask_and_options):
     """GProj backward of attention: (dq, dk, dv) in the input dtype. See the module docstring.
 
     Shapes follow ``spec.py``: q, o, do (B, Hq, Sq, D); k, v (B, Hkv, Sk, D); any strides; lse the
@@ -269,6 +282,9 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     ``kv_major`` / ``dq_major`` pick the KV-major / dQ-major launch: "gluon" (the warp-specialized sm_90a kernels,
     ``gluon_bwd`` / ``gluon_dq``) or "tl" (also for None); choosing per call is the plan's
     (``plan.kv_major_choice``, ``plan.dq_major_choice``).
+    ``partial_rows``: an int32 tensor of one element on q's device, to which the kernel adds the number of rows
+    it found to be shards of a row (their keys' mass short of the LSE's, ``spec.shard_mass_tolerance``: not
+    projected, see the module docstring); nothing is added for rows that saw no key.
     Raises ValueError when ``kernel_unsupported_reason`` is not None, or "gluon" is asked for and not possible.
     """
     mask_kw, option_kw = split_keywords("gproj_backward", mask_and_options, MASK_KWARGS + MAX_SEQLEN_KWARGS,
@@ -283,17 +299,21 @@ def gproj_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if reason is not None:
         raise ValueError(f"gproj_backward cannot run these inputs: {reason}")
     validate_qkv(q, k, v, ("o", o), ("do", do), check_finite=False)
+    if partial_rows is not None and not (isinstance(partial_rows, torch.Tensor) and partial_rows.numel() == 1
+                                         and partial_rows.dtype == torch.int32 and partial_rows.device == q.device):
+        raise ValueError("partial_rows must be an int32 tensor of one element on q's device")
     # imported here, not at module level: gluon_bwd imports torch, whose import hook may load this module
     # (backends/ops.py) while gluon_bwd is still initializing
     from .gluon_dq import checked_kernels
     dq_major, kv_major = checked_kernels(q, k, v, do, mask, args.varlen, options)
     return _launch_backward(do, q, k, v, o, lse, scale=args.scale, mask=mask, varlen=args.varlen,
-                            options=replace(options, dq_major=dq_major, kv_major=kv_major), sink=sink)
+                            options=replace(options, dq_major=dq_major, kv_major=kv_major), sink=sink,
+                            partial_rows=partial_rows)
 
 
 def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, sink: Optional[torch.Tensor] = None,
-                    **varlen_and_options):
+                    partial_rows: Optional[torch.Tensor] = None, **varlen_and_options):
     """``gproj_backward`` for inputs its caller already checked, options by keyword (tests and benchmarks; the
     router runs a call's plan through ``launch_planned``). Decides nothing: the kernels run where the tensors are
     (compiled on CUDA, interpreted on CPU) with ``kv_major`` and ``dq_major`` as given ("tl" when not given).
@@ -301,7 +321,7 @@ def launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     varlen_kw, option_kw = split_keywords("launch_backward", varlen_and_options, VARLEN_KWARGS, KERNEL_OPTIONS)
     options = KernelOptions(**{"kv_major": "tl", "dq_major": "tl", **option_kw})
     return _launch_backward(do, q, k, v, o, lse, scale=scale, mask=mask, varlen=Varlen(**varlen_kw),
-                            options=options, sink=sink)
+                            options=options, sink=sink, partial_rows=partial_rows)
 
 
 #: the options of a planned backward (``launch_planned``): the defaults with each (dQ-major, KV-major) pair of
@@ -312,17 +332,18 @@ PLANNED_OPTIONS = MappingProxyType({(dq, kv): KernelOptions(dq_major=dq, kv_majo
 
 def launch_planned(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, varlen: Varlen,
-                   kernels: Tuple[str, str], sink: Optional[torch.Tensor] = None):
+                   kernels: Tuple[str, str], sink: Optional[torch.Tensor] = None,
+                   partial_rows: Optional[torch.Tensor] = None):
     """``launch_backward`` as the router runs a call's plan: the mask and the varlen offsets already grouped, the
     options the defaults with the planned (dQ-major, KV-major) ``kernels`` (``PLANNED_OPTIONS``), so no keyword is
     split and no options object built per call. Checks nothing the plan checked; decides nothing."""
     return _launch_backward(do, q, k, v, o, lse, scale=scale, mask=mask, varlen=varlen,
-                            options=PLANNED_OPTIONS[kernels], sink=sink)
+                            options=PLANNED_OPTIONS[kernels], sink=sink, partial_rows=partial_rows)
 
 
 def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                      lse: torch.Tensor, *, scale: Optional[float], mask: MaskSpec, varlen: Varlen,
-                     options: KernelOptions, sink: Optional[torch.Tensor]):
+                     options: KernelOptions, sink: Optional[torch.Tensor], partial_rows: Optional[torch.Tensor]):
     """``launch_backward`` with its keywords grouped (``gproj_backward`` calls it with the checked options)."""
     B, H, SQ, D = q.shape
     SK = k.shape[2]
@@ -330,7 +351,8 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         padded_kv_major = "tl" if options.kv_major == "gluon" else options.kv_major
         grads = _launch_backward(
             *(pad_head_dim(x) for x in (do, q, k, v, o)), lse, scale=default_scale(D, scale), mask=mask,
-            varlen=varlen, options=replace(options, kv_major=padded_kv_major, dq_major="tl"), sink=sink)
+            varlen=varlen, options=replace(options, kv_major=padded_kv_major, dq_major="tl"), sink=sink,
+            partial_rows=partial_rows)
         narrow = tuple(torch.empty_like(x).copy_(g[..., :D]) for x, g in zip((q, k, v), grads))
         return narrow + tuple(grads[3:])
     cu_seqlens_q, cu_seqlens_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
@@ -375,15 +397,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     left, right = mask.window
     if mask.causal:
         right = 0
-    BD = block_d(D)
-    cfg = dict(options._config or {})
-    if interpret:
-        cfg_dq = cfg_dkdv = (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1)
-    else:
-        fp32 = q.dtype == torch.float32
-        cfg_dq = cfg.get("dq") or block_config("dq", BD, fp32)
-        cfg_dkdv = cfg.get("dkdv") or block_config("dkdv", BD, fp32)
-
+    cfg_dq, cfg_dkdv = launch_configs(D, q.dtype, interpret, options._config)
     job = triton_launch.Launch(
         do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv, sink=sink, cu_q=cu_q, cu_k=cu_k, varlen=packed,
         n_problems=Z, max_q=MQ, max_k=MK, window=(left, right), bottom_right=mask.causal_align == "bottom_right",
@@ -391,7 +405,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv,
         dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32", kv_major=options.kv_major,
         gluon_config=options._gluon_config, dq_major=options.dq_major or "tl",
-        gluon_dq_config=options._gluon_dq_config)
+        gluon_dq_config=options._gluon_dq_config, partial_rows=partial_rows)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
         target = _launch(kernel_module(interpret), interpret, job)
     if sink is None:

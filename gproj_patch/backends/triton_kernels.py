@@ -5,7 +5,9 @@
   masked row exactly 0), both written to fp32 (B·H·S) scratch for the KV-major kernel; with a learnable sink
   (``HAS_SINK``) also T_i = P_sink,i·D_i, P_sink = 2^(s_h·log2 e − LSE2_i): the exact row sum of dS, and −T_i is
   row i's share of the sink's gradient. Then t·K (t = low(dS)), r·K (r = low(P)) and the row sums ρ = Σt,
-  m = Σr (on the tensor cores, a dot with a one-hot column); it writes dq = α(tK − λ·rK) and λ = (ρ − T)/m.
+  m = Σr (on the tensor cores, a dot with a one-hot column); it writes dq = α(tK − λ·rK) and λ = (ρ − T)/m (λ = 0
+  on shard rows, ``spec.shard_mass_tolerance``). ``PARTIAL`` (a ring's row pass, ``ring.py``): the key shard's
+  sums A = α tK, B = α rK, ρ, m instead.
 * ``_bwd_dkdv``: KV-major, one program per (key block, KV head, batch or sequence), looping over the query heads
   of its GQA group (dk/dv reduced inside one program: no atomics, no copy of K/V, deterministic). dv = Σ r·dO;
   dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ ("fused").
@@ -44,6 +46,12 @@ def _rowsum(x):
     # function, compiled or interpreted depending on how triton was first imported, while this module is
     # loaded in both modes (see triton_bwd.kernel_module).
     return tl.reduce(x, 1, _add)
+
+
+@triton.jit
+def _total(x):
+    # the sum of a vector (tl.reduce with our combine function, as ``_rowsum``)
+    return tl.reduce(x, 0, _add)
 
 
 @triton.jit
@@ -117,7 +125,7 @@ def _dq_tiles(acc, racc, sacc, start, end, q, do, lse2, delta, e0, e1, col, offs
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
+def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K, PARTIAL_ROWS,
             sq_b, sq_h, sq_s, sq_d,
             sk_b, sk_h, sk_s, sk_d,
             sv_b, sv_h, sv_s, sv_d,
@@ -126,9 +134,10 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
             sl_b, sl_h, sl_s, ssink,
             sdq_b, sdq_h, sdq_s, sdq_d,
             H, GROUP, SQ, SK, HEAD_DIM, win_left, win_right, scale, scale_log2, cap_in, cap_out,
+            mass_rel_tol, mass_abs_tol,
             SOFTCAP: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_L: tl.constexpr, HAS_R: tl.constexpr,
-            VARLEN: tl.constexpr, CORRECT: tl.constexpr, HAS_SINK: tl.constexpr,
-            EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+            VARLEN: tl.constexpr, CORRECT: tl.constexpr, HAS_SINK: tl.constexpr, PARTIAL: tl.constexpr,
+            COUNT_PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) blocks first
     h = tl.program_id(1)
@@ -205,23 +214,47 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K,
                                     HAS_L=HAS_L, HAS_R=HAS_R, CORRECT=CORRECT, EVEN_N=False, EVEN_D=EVEN_D,
                                     BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
 
+        DQ_base = DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s
         if CORRECT:
             rho = _rowsum(tl.where(col[None, :] == RHO_COL, sacc, 0.0))  # ρ_i = Σ_j t_ij
             msum = _rowsum(tl.where(col[None, :] == MASS_COL, sacc, 0.0))  # m_i = Σ_j r_ij
+        if PARTIAL:
+            # a ring's row pass over one key shard (backends/ring.py) stores the shard's sums, which the ring adds
+            # up: A = α Σ t·K in DQ (fp32), B = α Σ r·K HEAD_DIM elements after it (DQ a (.., 2, HEAD_DIM)
+            # buffer), ρ and m in the λ and T scratch rows (λ is the row's, formed once every shard is in)
+            store_tile(DQ_base, acc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
+            store_tile(DQ_base + HEAD_DIM * sdq_d, racc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM,
+                       EVEN=EVEN_M and EVEN_D)
+            tl.store(LAM + row, rho, mask=offs_m < q_len)
+            tl.store(TGT + row, msum, mask=offs_m < q_len)
+        elif CORRECT:
             if HAS_SINK:  # the exact row sum of dS is the target T = P_sink·D, not 0
                 rho = rho - target
             # λ_i = (ρ_i − T_i) / m_i: the multiple of r_i that carries the row sum t_i should not have (0: no mass)
             lam = tl.where(msum > 0.0, rho / tl.where(msum > 0.0, msum, 1.0), 0.0)
+            # a row whose LSE does not give these keys its full mass M = 1 − P_sink (|m − M| beyond low(P)'s
+            # rounding, spec.shard_mass_tolerance) is a shard of a row (a ring's per-shard call): its keys' dS
+            # has a true non-zero sum, so it is not projected (λ = 0: the uncorrected dq and dk); rows that saw
+            # no key (LSE2 = +inf) are not shards. M is formed here, not kept through the key loop (registers)
+            if HAS_SINK:
+                sink2 = tl.load(SINK + h * ssink).to(tl.float32) * RCP_LN2
+                mass = 1.0 - tl.math.exp2(sink2 - lse2)
+                shard = tl.abs(msum - mass) > mass_rel_tol * mass + mass_abs_tol
+            else:
+                shard = tl.abs(msum - 1.0) > mass_rel_tol + mass_abs_tol
+            shard = shard & (lse2 < float("inf"))
+            lam = tl.where(shard, 0.0, lam)
+            if COUNT_PARTIAL:  # one atomic per program: a count, never a gradient (those stay deterministic)
+                tl.atomic_add(PARTIAL_ROWS, _total((shard & (offs_m < q_len)).to(tl.int32)))
             # the projection t − λ·r, applied to the fp32 products (Σ t·K − λ·Σ r·K), never rounded again
             dq = (acc - lam[:, None] * racc) * scale
             if EVEN_M:
                 tl.store(LAM + row, lam)
             else:
                 tl.store(LAM + row, lam, mask=offs_m < q_len)
+            store_tile(DQ_base, dq, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
         else:
-            dq = acc * scale
-        store_tile(DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_s, dq, sdq_s, sdq_d,
-                   offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
+            store_tile(DQ_base, acc * scale, sdq_s, sdq_d, offs_m, q_len, offs_d, HEAD_DIM, EVEN=EVEN_M and EVEN_D)
 
 
 @triton.jit

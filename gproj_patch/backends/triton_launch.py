@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from .launch_cache import PREPARED
+from .spec import shard_mass_tolerance
 
 
 @dataclass
@@ -48,6 +49,12 @@ class Launch:
     gluon_config: Optional[object] = None  # gluon_bwd.KernelConfig override (benchmarks)
     dq_major: str = "tl"  # the dQ-major launch's kernel: "tl" (below) or "gluon" (gluon_dq.launch_dq)
     gluon_dq_config: Optional[object] = None  # gluon_dq.DqConfig override (benchmarks)
+    partial_rows: Optional[torch.Tensor] = None  # int32 (1,) on the device: the dQ-major launch adds its shard rows
+    # a ring's row pass (backends/ring.py): the dQ-major launch stores its key shard's sums instead of dq and λ:
+    # A = α Σ t·K in ``dq`` (fp32, a (B, H, Sq, 2, D) buffer's [..., 0, :]), B = α Σ r·K in its [..., 1, :], ρ and
+    # m in the scratch's λ and T rows
+    partial: bool = False
+    own_outputs: bool = False  # dq, dk, dv not ``empty_like`` q, k, v (the ring's): their layouts join the key
 
 
 def sink_gradient(target: torch.Tensor, job: Launch) -> torch.Tensor:
@@ -102,7 +109,8 @@ def tensor_arguments(kind: str, job: Launch, scratch: Scratch) -> dict:
                 CU_Q=job.cu_q, CU_K=job.cu_k)
     if kind == "dq":
         args.update(O=job.o, LSE=job.lse, SINK=job.sink if job.sink is not None else scratch.delta, DQ=job.dq,
-                    TGT=scratch.target)
+                    TGT=scratch.target,
+                    PARTIAL_ROWS=job.partial_rows if job.partial_rows is not None else scratch.delta)
     else:
         args.update(DK=job.dk, DV=job.dv)
     return args
@@ -133,9 +141,11 @@ def kernel_arguments(kind: str, job: Launch, scratch: Scratch, *, block_d: int) 
         EVEN_D=block_d == D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=job.dot_precision,
         num_warps=num_warps, num_stages=num_stages)
     if kind == "dq":
+        rel_tol, abs_tol = shard_mass_tolerance(q.dtype, job.max_k)
         args.update(**_strides("so", job.o), **_strides("sl", job.lse, "bhs"),
-                    ssink=job.sink.stride(0) if job.sink is not None else 0, **_strides("sdq", job.dq))
-        args["HAS_SINK"] = job.sink is not None
+                    ssink=job.sink.stride(0) if job.sink is not None else 0, **_strides("sdq", job.dq),
+                    mass_rel_tol=rel_tol, mass_abs_tol=abs_tol, HAS_SINK=job.sink is not None,
+                    PARTIAL=job.partial, COUNT_PARTIAL=job.partial_rows is not None)
     else:
         args.update(**_strides("sdk", job.dk), **_strides("sdv", job.dv), FUSED=job.fused)
     return args
@@ -146,14 +156,19 @@ def launch_key(job: Launch) -> tuple:
     (``launch_cache``): the inputs' dtypes, shapes and strides, the sink's, the varlen sizes, the mask and the
     options. The outputs and the scratch are not in it: ``triton_bwd`` allocates them from the inputs (dq, dk, dv
     ``empty_like`` q, k, v, whose strides follow from those; the scratch contiguous of a fixed shape), and each
-    tensor's 16-byte alignment is checked at every replay. The cu_seqlens placeholder (q) adds nothing."""
+    tensor's 16-byte alignment is checked at every replay; a job with ``own_outputs`` (the ring's fp32 outputs)
+    adds their dtypes and strides. The cu_seqlens placeholder (q) adds nothing."""
     q, k, v, do, o, lse, sink = job.q, job.k, job.v, job.do, job.o, job.lse, job.sink
     inputs = (q.dtype, q.device.index, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape),
               v.stride(), do.dtype, do.stride(), o.dtype, o.stride(), lse.stride(),
               None if sink is None else (sink.dtype, sink.stride()),
               (job.cu_q.dtype, job.cu_q.stride(), job.cu_k.stride()) if job.varlen else None)
+    outputs = None
+    if job.own_outputs:
+        outputs = tuple((x.dtype, x.stride()) for x in (job.dq, job.dk, job.dv))
     return inputs + (job.varlen, job.n_problems, job.max_q, job.max_k, job.window, job.bottom_right, job.alpha,
-                     job.softcap, job.correct, job.fused, job.cfg_dq, job.cfg_dkdv, job.dot_precision)
+                     job.softcap, job.correct, job.fused, job.cfg_dq, job.cfg_dkdv, job.dot_precision,
+                     job.partial, job.partial_rows is not None, outputs)
 
 
 def _cdiv(n: int, block: int) -> int:
@@ -169,12 +184,13 @@ def grid(kind: str, job: Launch) -> Tuple[int, int, int]:
     return _cdiv(job.max_k, job.cfg_dkdv[1]), job.k.shape[1], job.n_problems
 
 
-def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernels: dict) -> torch.Tensor:
+def launch(km, interpret: bool, job: Launch, *, block_d: int, parts, last_kernels: dict,
+           scratch: Optional[Scratch] = None) -> torch.Tensor:
     """Run the launches ``parts`` names ("dq", "dkdv"; benchmarks time them apart: the dK/dV launch alone then
     reads scratch the dQ launch did not write, a timing, not a result); returns the fp32 (B·H, SQ) buffer of
-    T = P_sink·D (D itself without a sink). Arguments by keyword from ``kernel_arguments``; scratch
-    ``allocate_scratch``."""
-    scratch = allocate_scratch(job)
+    T = P_sink·D (D itself without a sink). Arguments by keyword from ``kernel_arguments``; ``scratch`` the
+    caller's (a ring's passes: one scratch for both) or ``allocate_scratch``'s."""
+    scratch = allocate_scratch(job) if scratch is None else scratch
     kq = kk = None
     if job.max_q == 0:
         return scratch.target  # every sequence has no query: dk, dv are the zeros already there

@@ -68,7 +68,7 @@ def _run_kernel(t: BackwardTensors, problem: Problem, kernel: KernelPlan) -> Gra
                     softcap=float(problem.softcap))
     return launch_planned(do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale, mask=mask,
                           varlen=_varlen(problem), kernels=(kernel.dq_major, kernel.kv_major),
-                          sink=problem.sink)
+                          sink=problem.sink, partial_rows=telemetry.partial_rows_counter(t.q.device))
 
 
 def _tma_do(do: torch.Tensor) -> torch.Tensor:
@@ -97,6 +97,11 @@ def _run_fp32(t: BackwardTensors, problem: Problem, fp32_kernel: Optional[Kernel
     extra = {}
     if problem.sink is not None:
         extra["sink"] = problem.sink
+    elif t.lse is not None and t.o is not None and t.dead_rows is None and problem.dropout_p == 0.0:
+        # the forward's own statistics: P relative to its LSE, D from its output — what the fused backward it
+        # replaces uses — so a call over a shard of a row's keys (a ring's per-shard call with the merged LSE)
+        # gets the gradient of its part, its rows left unprojected and counted
+        extra.update(lse=t.lse, out=t.o, partial_rows=telemetry.partial_rows_counter(t.q.device))
     if problem.dropout_mask is not None:
         extra["dropout_mask"] = problem.dropout_mask
     return fp32_backward(t.q, t.k, t.v, t.do, attn_mask=problem.attn_mask, dropout_p=problem.dropout_p,

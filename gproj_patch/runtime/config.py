@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 MODES = ("gproj", "fp32", "off", "auto", "audit")
 POLICY_MODES = ("auto", "audit")
-TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex")
+TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex", "context_parallel")
 TIER_OPTIONS = ("auto", "triton", "fp32")
 #: the kernel tier's KV-major and dQ-major launches: "auto" (``plan.kv_major_choice`` / ``plan.dq_major_choice``
 #: choose per call), "tl"

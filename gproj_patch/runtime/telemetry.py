@@ -104,7 +104,37 @@ def record_kernels(kernel) -> None:
             STATE.dq_major_reasons[kernel.dq_major_reason] += 1
 
 
+#: the reason under which rows found to be shards of a row are reported (``stats()["fallback_reasons"]``)
+PARTIAL_ROWS_REASON = ("rows whose keys here are a shard of the row (their probabilities sum to less than the row's "
+                       "mass: a ring's per-shard backward with the merged LSE) were left unprojected")
+
+
+def partial_rows_counter(device):
+    """The device's counter of rows the backends found to be shards of a row (an int32 tensor of one element,
+    added to on the device: no sync at the backward; read by ``stats()``)."""
+    key = str(device)
+    counter = STATE.partial_rows.get(key)
+    if counter is None:
+        import torch
+        with STATE.lock:
+            counter = STATE.partial_rows.get(key)
+            if counter is None:
+                counter = STATE.partial_rows[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def _partial_rows() -> int:
+    """Rows counted as shards on every device so far (reads the counters: one sync per device); their reason is
+    logged once, the first time they are seen."""
+    total = sum(int(c.item()) for c in list(STATE.partial_rows.values()))
+    if total and PARTIAL_ROWS_REASON not in STATE.logged:
+        STATE.logged.add(PARTIAL_ROWS_REASON)
+        logger.info("%s (%d rows so far; logged once)", PARTIAL_ROWS_REASON, total)
+    return total
+
+
 def stats() -> dict:
+    partial = _partial_rows()
     with STATE.lock:
         out = {t: STATE.backward.get(t, 0) for t in TIERS}
         out["forward"] = dict(STATE.forward)
@@ -113,4 +143,5 @@ def stats() -> dict:
         out["kv_major_reasons"] = dict(STATE.kv_major_reasons)
         out["dq_major"] = dict(STATE.dq_major)
         out["dq_major_reasons"] = dict(STATE.dq_major_reasons)
+        out["partial_rows"] = partial
         return out

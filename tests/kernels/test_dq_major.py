@@ -17,6 +17,10 @@ from tests.helpers.launch_choice import qkv
 #: stack bytes a thread of the shipped D=128 build (Triton 3.6's ptxas, the ``overlap`` build): what run 58 timed
 #: (the plain build: 128–144)
 SPILL_BYTES_D128 = 80
+#: the same with a learnable sink: the shard-row test (1 − P_sink against m) adds two values the consumer keeps in
+#: local memory from before its key loop to after it (two stores, two loads per CTA; none inside the loop, sm_90a
+#: SASS), 88 bytes against 80
+SPILL_BYTES_D128_SINK = 88
 needs_gluon = pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
 
 
@@ -94,4 +98,4 @@ def test_default_configs_compile_for_sm90a_with_async_wgmma(head_dim):
     for causal, sink in ((True, False), (False, True)):
         (row,) = gluon_dq_compile_report(head_dims=(head_dim,), causal=causal, sink=sink)
         assert "error" not in row and not row["serialized"], row
-        assert row["stack"] <= (0 if head_dim == 64 else SPILL_BYTES_D128), row
+        assert row["stack"] <= (0 if head_dim == 64 else SPILL_BYTES_D128_SINK if sink else SPILL_BYTES_D128), row

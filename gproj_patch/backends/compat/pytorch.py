@@ -22,7 +22,8 @@ __all__ = ['SDPA_FLASH_BACKWARD', 'SDPA_EFFICIENT_BACKWARD', 'SDPA_CUDNN_BACKWAR
            'saved_tensors_default_hooks_active', 'graph_task_id', 'delayed_error', 'CUDAGRAPH_UNSAFE_TAGS',
            'custom_op_def', 'custom_op_kernel', 'set_custom_op_kernel', 'custom_op_fake', 'custom_op_signature_fn',
            'FA2_BACKWARD_OPS', 'FA3_BACKWARD_OPS', 'FA_FORWARD_OPS', 'FA4_INTERFACE', 'FA4_BACKWARD', 'FA4_FORWARD',
-           'fa4_interface', 'hf_registry_mapping', 'dynamo_module_name']
+           'fa4_interface', 'hf_registry_mapping', 'CP_ATTENTION_MODULE', 'RING_BACKWARD', 'RING_NAMES',
+           'context_parallel_attention_module', 'dynamo_module_name']
 
 
 def assume_constant_result(fn):
@@ -391,6 +392,32 @@ def hf_registry_mapping(registry) -> dict:
     if not isinstance(mapping, dict):
         raise CompatError(f"{registry!r} has no dict _global_mapping: transformers changed its registries")
     return mapping
+
+
+# ---- context parallel: PyTorch's ring attention ------------------------------------------------------------
+#: PyTorch's ring-attention module (torch 2.11 and 2.13: the same ring code; 2.13 gathers with
+#: ``all_gather_single`` where 2.11 has ``all_gather_tensor``)
+CP_ATTENTION_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+#: the names of that module that the corrected ring backward replaces or calls: the module global the three
+#: ``_scaled_dot_product_ring_*_backward`` functions look up at call time, the rotaters, the per-step causal
+#: behaviour and the load-balancing chunk update, the options
+RING_BACKWARD = "_templated_ring_attention_backward"
+RING_NAMES = (RING_BACKWARD, "_create_rotater", "_RotateMethod", "_AllGatherRotater", "_is_causal_behavior",
+              "_CausalBehavior", "_partial_update", "_cp_options")
+
+
+def context_parallel_attention_module():
+    """PyTorch's ring-attention module (``CP_ATTENTION_MODULE``), imported, with every name of ``RING_NAMES``;
+    raises ``CompatError`` where it is missing or lacks one (checked on torch 2.11, 2.13)."""
+    import importlib
+    try:
+        module = importlib.import_module(CP_ATTENTION_MODULE)
+    except ImportError as exc:
+        raise CompatError(f"{CP_ATTENTION_MODULE} cannot be imported ({exc}; checked on torch 2.11, 2.13)") from exc
+    missing = [name for name in RING_NAMES if not hasattr(module, name)]
+    if missing:
+        raise CompatError(f"{CP_ATTENTION_MODULE} has no {', '.join(missing)} (checked on torch 2.11, 2.13)")
+    return module
 
 
 # ---- Dynamo -------------------------------------------------------------------------------------------------
