@@ -20,11 +20,11 @@
 #           real FA4 layers in `auto`, one at a 300σ key offset: two forward records, only the sick layer
 #           corrected, no "no forward record" line); its table in $OUT/fa4_records.log, fa4_records.json beside.
 #   speed   carry: .whl/ext2 (right after stage1 or prepare, as stage2)
-#           installs flash-attn-4 the same way, then runs benchmarks/speed_run.py (issue 21 item 4: the fp64 gate
-#           at 128σ of every variant, then fwd+bwd of cuDNN, patched SDPA tl/Gluon/routed, FA4 and patched FA4 at
-#           the five issue shapes, host µs a call, the 0.5B step at 4K/16K; ~5 min after the install). Its table
-#           last in $OUT/speed.log; speed_run.json and speed_run.log beside. SPEED_ARGS: more options of
-#           speed_run.py (e.g. --skip-steps, --shapes 1,2, --deadline 240; default 330 s, steps given the last 75).
+#           installs flash-attn-4 the same way, then runs `python -m benchmarks.speed`: the fp64 gate at 128σ of
+#           every variant, then fwd+bwd of cuDNN, patched SDPA tl/Gluon/routed, FA4 and patched FA4 at the five
+#           shapes, host µs a call, the 0.5B step at 4K/16K (~5 min after the install). speed.json and speed.log in
+#           $OUT, the console (table last) in $OUT/speed_console.log. SPEED_ARGS: more options of benchmarks.speed
+#           (e.g. --skip-steps, --shapes 1,2, --deadline 240; default 330 s, steps given the last 75).
 #
 # Run from the repository root: `bash benchmarks/external_gpu.sh stage1` (then `stage2`). Results in $OUT:
 # <suite>.log (everything, the diff of outcomes last), <suite>_summary.txt, <suite>_outcomes.json and
@@ -108,8 +108,8 @@ timing)
     ;;
 speed)
     install_fa4 || exit 3
-    # shellcheck disable=SC2086  # SPEED_ARGS: more options of speed_run.py
-    timeout 420 python3 benchmarks/speed_run.py --out "$OUT" ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed.log"
+    # shellcheck disable=SC2086  # SPEED_ARGS: more options of benchmarks.speed
+    timeout 420 python3 -m benchmarks.speed --out "$OUT" ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed_console.log"
     exit "${PIPESTATUS[0]}"
     ;;
 records)

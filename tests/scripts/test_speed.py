@@ -1,4 +1,4 @@
-"""CPU run of ``benchmarks/speed_run.py --smoke`` (issue 21 item 4) in a subprocess: the plumbing, not the speed.
+"""CPU run of ``python -m benchmarks.speed --smoke`` in a subprocess: the plumbing, not the speed.
 
 On the CPU the script gates and times the patched SDPA variants with the GProj kernel through Triton's
 interpreter (FP16, tiny shapes), the CPU SDPA kernel standing in for cuDNN; FA4 and Gluon cannot run here and
@@ -14,20 +14,20 @@ import pytest
 
 from gproj_patch.runtime import config
 from tests.helpers.adversarial import TARGET
+from tests.helpers.paths import REPO
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "speed_run.py")
 #: the gate's case must be adversarial: the unpatched backward's dq at least this many times the target
 LEAK_FACTOR = 5.0
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("speed_run")
+    out = tmp_path_factory.mktemp("speed")
     env = {k: v for k, v in os.environ.items() if k not in config.ENV.values()}
-    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--seed", "7", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--smoke", "--seed", "7", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(out / "speed_run.json") as f:
+    with open(out / "speed.json") as f:
         return json.load(f), proc.stdout, out
 
 
@@ -74,4 +74,4 @@ def test_table_last_and_files(smoke):
     ratio = result["timing"][0]["cells"]["sdpa_tl"]["fwdbwd"] / result["timing"][0]["cells"]["cudnn"]["fwdbwd"]
     assert cells[3] == format(ratio, ".3f")  # tl/cuDNN, from the JSON's own times
     assert cells[2] == cells[4] == cells[6] == "n/a"  # FA4/cuDNN, gluon/cuDNN, pFA4/FA4
-    assert (out / "speed_run.log").read_text().rstrip().endswith(lines[-1])
+    assert (out / "speed.log").read_text().rstrip().endswith(lines[-1])
