@@ -150,10 +150,10 @@ def only_launch(part: str):
         triton_bwd._RUN = saved
 
 
-def launch_alone_ms(fn: Callable[[], object], part: str) -> float:
+def launch_alone_ms(fn: Callable[[], object], part: str, device="cuda") -> float:
     """Median ms of ``fn``'s ``part`` launch alone (``only_launch``)."""
     with only_launch(part):
-        return bench(fn)
+        return bench(fn, device)
 
 
 @contextlib.contextmanager
@@ -211,7 +211,11 @@ def make_inputs(B: int, H: int, S: int, D: int, *, dtype=torch.bfloat16, seed: i
 
 def saved_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
     """(O, LSE) of PyTorch's flash forward: what a fused forward saves for its backward. The flash op has no GQA:
-    with fewer KV heads it runs on repeated KV heads (the same O and LSE)."""
+    with fewer KV heads it runs on repeated KV heads (the same O and LSE). On the CPU: the fp64 oracle's output
+    rounded to q's dtype and its LSE (the CPU has no fused op that returns both for every dtype)."""
+    if q.device.type != "cuda":
+        from tests.helpers.numerics import saved_forward as oracle_forward
+        return oracle_forward(q, k, v, causal=causal)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

@@ -13,8 +13,8 @@
 #   prepare carry: .whl/ext1 — only keeps FA4's first half in /tmp (stage1 without the suite; the call can go on
 #           with other work, e.g. GPU tests, while the machine stays warm for the next stage)
 #   timing  carry: .whl/ext2 (right after stage1 or prepare, as stage2)
-#           installs flash-attn-4 the same way, then runs benchmarks/run_device.sh with it importable, so that
-#           device_check.py times FA4's backward next to GProj, cuDNN and flash (RUN_DEVICE_ENV: its options).
+#           installs flash-attn-4 the same way, then runs `python -m benchmarks.kernel` with it importable, so that
+#           FA4's backward is timed next to GProj, cuDNN and flash. KERNEL_ARGS: more options of benchmarks.kernel.
 #   records carry: .whl/ext2 (right after stage1 or prepare, as stage2)
 #           installs flash-attn-4 the same way, then runs benchmarks/fa4_records_check.py (issue 19 item 2: two
 #           real FA4 layers in `auto`, one at a 300σ key offset: two forward records, only the sick layer
@@ -104,7 +104,9 @@ stage2)
     ;;
 timing)
     install_fa4 || exit 3
-    bash benchmarks/run_device.sh
+    # shellcheck disable=SC2086  # KERNEL_ARGS: more options of benchmarks.kernel, e.g. --skip-suite
+    timeout 420 python3 -m benchmarks.kernel --out "$OUT" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernel_console.log"
+    exit "${PIPESTATUS[0]}"
     ;;
 speed)
     install_fa4 || exit 3

@@ -349,7 +349,7 @@ def main() -> int:
     flag_sets = DEFAULT_FLAG_SETS if args.flags == "default" else None
     entries = tl_entries(args.quick, dims, flag_sets) if "tl" in parts else []
     if "tl" in parts and args.candidates:
-        from kernel_sweep import SWEEP  # benchmarks/kernel_sweep.py: the configs the device sweep times
+        from benchmarks.kernel import SWEEP  # the configs the device sweep times
         entries += config_entries({d: SWEEP[d] for d in (dims or (64, 128))})
     entries += (lse_entries() if "lse" in parts else []) + (gluon_entries() if "gluon" in parts else [])
     rows = snapshot(entries, args.out, args.spills, wgmma=args.wgmma)
