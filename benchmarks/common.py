@@ -233,6 +233,16 @@ def routed_launches(q, k, v, do) -> Tuple[str, str]:
     return kv, dq
 
 
+def sdpa_backward_fn(q, k, v, do, causal: bool, backend: str = "cudnn") -> Callable[[], object]:
+    """A closure running SDPA's ``backend`` ("cudnn", "flash") backward once (the forward run here, untimed)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel({"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]):
+        y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    return lambda: torch.autograd.grad(y, (qq, kk, vv), do, retain_graph=True)
+
+
 def same(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
     """Bitwise equal, tensor by tensor."""
     return all(torch.equal(x, y) for x, y in zip(a, b))

@@ -112,16 +112,6 @@ def suite_bad(rows) -> list:
 # ----------------------------------------------------------------------------------------------------- timing --
 
 
-def _backend_bwd(q, k, v, do, causal, backend):
-    """cuDNN's or flash's SDPA backward (the forward run once, outside the timing)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
-    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-    with sdpa_kernel(backend):
-        y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
-    return lambda: torch.autograd.grad(y, (qq, kk, vv), do, retain_graph=True)
-
-
 def _fa4_bwd(q, k, v, do, causal):
     """FA4's backward (``flash_attn.cute``'s CuTe kernels, B·S·H·D)."""
     iface, _ = common.fa4_interface()
@@ -185,7 +175,6 @@ def fp32_tier_ms(q, k, v, do, o, lse, causal, device) -> dict:
 
 
 def time_shape(shape, *, device="cuda", fp32_tier=True) -> dict:
-    from torch.nn.attention import SDPBackend
     B, H, S, D, causal = shape[:5]
     hkv = shape[5] if len(shape) > 5 else None
     if device == "cuda":
@@ -205,8 +194,8 @@ def time_shape(shape, *, device="cuda", fp32_tier=True) -> dict:
         if tag in ("gproj", "gproj_tl", "uncorrected"):  # each launch alone (results invalid, timing only)
             for part in ("dq", "dkdv"):
                 res[f"{tag}_{part}"] = common.launch_alone_ms(fn, part, device)
-    timed(res, "cudnn", lambda: _backend_bwd(q, k, v, do, causal, SDPBackend.CUDNN_ATTENTION), device)
-    timed(res, "flash", lambda: _backend_bwd(q, k, v, do, causal, SDPBackend.FLASH_ATTENTION), device)
+    timed(res, "cudnn", lambda: common.sdpa_backward_fn(q, k, v, do, causal, "cudnn"), device)
+    timed(res, "flash", lambda: common.sdpa_backward_fn(q, k, v, do, causal, "flash"), device)
     timed(res, "fa4", lambda: _fa4_bwd(q, k, v, do, causal), device)
     timed(res, "fp32_efficient_fwdbwd", lambda: _fp32_efficient(q, k, v, do, causal), device)
     if fp32_tier:
@@ -421,13 +410,12 @@ def ncu_launches() -> None:
     predicate allows) with the tl dQ launch; the Gluon dQ launch in its plain and ``overlap`` builds (where its
     predicate allows) with the routed KV launch; one cuDNN backward. Kernel names tell the launches apart; the two
     Gluon dQ builds share a name and are profiled in that order (plain, then overlap)."""
-    from torch.nn.attention import SDPBackend
     from gproj_patch.backends.gluon_bwd import kv_major_reason
     from gproj_patch.backends.gluon_dq import CONFIGS, DqConfig, dq_major_reason
     B, H, S, D, causal = NCU_SHAPE
     q, k, v, do = common.make_inputs(B, H, S, D)
     o, lse = common.saved_forward(q, k, v, causal)
-    cudnn = _backend_bwd(q, k, v, do, causal, SDPBackend.CUDNN_ATTENTION)
+    cudnn = common.sdpa_backward_fn(q, k, v, do, causal, "cudnn")
     kv_kernels = ("tl",) if kv_major_reason(q, k, v, do=do) else ("tl", "gluon")
     dq_builds = []
     if dq_major_reason(q, k, v, do=do) is None:

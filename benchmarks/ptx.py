@@ -1,32 +1,36 @@
-"""PTX of every shipped config of the GProj kernels, compiled for sm_90a on a machine without a GPU.
+"""What the H200 runs, compiled for sm_90a on a machine without a GPU: the PTX of every shipped config of the
+GProj kernels, their registers and spills, how their dots were lowered and scheduled, and the Gluon launches'
+resource tables.
 
 Why: a readability edit of ``triton_kernels.py`` / ``gluon_kernels.py`` (named constants, keyword flags, one tile
-loop) must not change the code the H200 runs. This script compiles the kernels exactly as the shipped launches
+loop) must not change the code the H200 runs. This compiles the kernels exactly as the shipped launches
 specialize them and writes one PTX file per (kernel, config, flag set) with the line information stripped
 (``.loc``/``.file`` directives and the ``.debug_*`` sections), so two snapshots diff cleanly:
 
-    python benchmarks/ptx_snapshot.py --out /tmp/ptx_before     # before an edit
-    python benchmarks/ptx_snapshot.py --out /tmp/ptx_after      # after it
+    python -m benchmarks.ptx --out /tmp/ptx_before     # before an edit
+    python -m benchmarks.ptx --out /tmp/ptx_after      # after it
     diff -r /tmp/ptx_before /tmp/ptx_after
+    python -m benchmarks.ptx --gluon                   # the Gluon launches' builds: regs, stack, smem, serialized
 
 How: ``triton_launch.kernel_arguments`` (the keyword arguments the launch passes) is built for CPU tensors shaped
 like each job; those go through Triton's own JIT binder for a CUDA sm_90 backend (the same signature,
 constexprs and divisibility attributes a real launch computes) and then ``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)`` (warp size 32, what the H200 has; Triton's CUDA options fix it at 32 whatever
-the target says). The Gluon KV-major kernel is compiled the same way from
-``gluon_bwd.dkdv_arguments`` (tests/kernels/test_kv_major.py's CPU compile does the same with ``mangle_type``). The
-LSE kernel's arguments mirror ``triton_lse.attention_lse``'s launch.
+the target says). The Gluon KV-major kernel is compiled the same way from ``gluon_bwd.dkdv_arguments``. The LSE
+kernel's arguments mirror ``triton_lse.attention_lse``'s launch.
 
 ``--spills`` also runs Triton's ptxas (cubin) and ``cuobjdump -res-usage`` and prints registers and stack bytes
-(spills) per kernel. Many shipped tl compiles spill (45 of 72 on Triton 3.6: the dkdv kernel at every head dim
-under some flag set, dq at D = 128 and 256, most of the fp32 table; the H200's counts agree, e.g. run 20's
-16 spills in the D = 128 dq kernel); the Gluon kernel spills nothing. ``--quick`` compiles only the default
-flag set of each shipped config.
+(spills) per kernel. Many shipped tl compiles spill (the dkdv kernel at every head dim under some flag set, dq at
+D = 128 and 256, most of the fp32 table; the H200's counts agree); the Gluon kernel spills nothing.
+``--quick`` compiles only the default flag set of each shipped config.
 
-``--wgmma`` (with ``--dims``, ``--flags default``, ``--candidates``, ``--json``) also reports how the dots were
-lowered and scheduled (``tests/helpers/kernel_build.mma_report``: HGMMA/HMMA counts, wgmma serialized read from
-the SASS and from ptxas' own C75xx log) and prints a table last; no shipped tl config is serialized, the Gluon
-kernel's D=64 default is (NOTES_kernel.md; tests/kernels/test_tl_build.py runs it).
+``--wgmma`` (with ``--dims``, ``--flags default``, ``--json``) also reports how the dots were lowered and
+scheduled (``tests/helpers/kernel_build.mma_report``: HGMMA/HMMA counts, wgmma serialized read from the SASS and
+from ptxas' own C75xx log) and prints a table last (tests/kernels/test_tl_build.py runs it).
+
+``--gluon`` prints, instead of a snapshot, the Gluon KV-major kernel's builds (tile rows × ring slots × slot
+release × retired tiles) and the dQ-major kernel's shipped builds, with registers, stack bytes, shared memory
+and whether ptxas serialized their wgmmas (``kernel_build.gluon_compile_report``).
 
 PTX, not SASS, is the thing to compare: ptxas is not deterministic run to run on some of these kernels (the
 fp32 dq kernels: same PTX, different SASS on a second compile), and the ``.loc`` line info it receives can
@@ -43,11 +47,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from tests.helpers.kernel_build import cubin_resources, mma_report  # noqa: E402,F401  (also gluon_check's)
+from tests.helpers.kernel_build import cubin_resources, gluon_compile_report, gluon_dq_compile_report, mma_report
 
 #: the compile target: sm_90a (the H200), warp size 32
 TARGET_ARCH = 90
@@ -226,7 +228,7 @@ def _launch_entries(job, head_dim: int, tag: str, kinds=("dq", "dkdv")) -> List[
 
 def config_entries(candidates: dict, variants: Tuple[Variant, ...] = DEFAULT_FLAG_SETS) -> List[Entry]:
     """The bf16 tl launch of each candidate block config, ``{head_dim: {"dq"|"dkdv": [(BLOCK_M, BLOCK_N,
-    num_warps, num_stages), ...]}}`` (kernel_sweep.SWEEP's form), under each flag set of ``variants``; named
+    num_warps, num_stages), ...]}}`` (the form of ``benchmarks.kernel.SWEEP``), under each flag set of ``variants``; named
     kernel_d{D}_{flags}_m{M}n{N}w{W}s{S}. The other launch keeps its shipped config (it is not compiled)."""
     entries = []
     for d, kinds in sorted(candidates.items()):
@@ -324,6 +326,25 @@ def wgmma_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def gluon_tables() -> str:
+    """The Gluon KV-major kernel's builds (every tile-row, ring and slot-release combination, plain and with retired
+    tiles, causal) and the dQ-major kernel's shipped builds (causal and full): registers, stack bytes (spills),
+    shared memory, serialized wgmma."""
+    lines = ["| KV-major D | rows | slots | release | retired | regs | stack B | smem B | serialized |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in gluon_compile_report(stages=(2, 3, 4), release_pairs=(False, True), retire_tiles=(False, True)):
+        tail = r.get("error") or f"{r['regs']} | {r['stack']} | {r['smem']} | {r['serialized']}"
+        lines.append(f"| {r['D']} | {r['block_m']} | {r['stages']} | {'pairs' if r.get('release_pairs') else 'each'} "
+                     f"| {bool(r.get('retire_tiles'))} | {tail} |")
+    lines += ["", "| dQ-major D | mask | keys a tile | slots | regs | stack B | smem B | serialized |",
+              "|---|---|---|---|---|---|---|---|"]
+    for causal in (True, False):
+        for r in gluon_dq_compile_report(causal=causal):
+            tail = r.get("error") or f"{r['regs']} | {r['stack']} | {r['smem']} | {r['serialized']}"
+            lines.append(f"| {r['D']} | {'causal' if causal else 'full'} | {r['block_n']} | {r['stages']} | {tail} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="directory for the stripped PTX files")
@@ -337,20 +358,24 @@ def main() -> int:
     ap.add_argument("--flags", choices=("all", "default"), default="all",
                     help="tl flag sets: all (VARIANTS, VARIANTS_FP32) or default (DEFAULT_FLAG_SETS: bf16 dense, "
                          "causal)")
-    ap.add_argument("--candidates", action="store_true",
-                    help="tl: also every kernel_sweep.SWEEP candidate at --dims (default flag sets)")
+    ap.add_argument("--candidates", default=None,
+                    help='tl: also these block configs (default flag sets), JSON {"128": {"dq": [[128, 64, 8, 3]]}}')
+    ap.add_argument("--gluon", action="store_true",
+                    help="print the Gluon launches' builds (regs, stack, smem, serialized) instead of a snapshot")
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: this script compiles for sm_90a")
         return 2
+    if args.gluon:
+        print(gluon_tables())
+        return 0
     parts = set(args.only.split(","))
     dims = tuple(int(d) for d in args.dims.split(",") if d) or None
     flag_sets = DEFAULT_FLAG_SETS if args.flags == "default" else None
     entries = tl_entries(args.quick, dims, flag_sets) if "tl" in parts else []
     if "tl" in parts and args.candidates:
-        from benchmarks.kernel import SWEEP  # the configs the device sweep times
-        entries += config_entries({d: SWEEP[d] for d in (dims or (64, 128))})
+        entries += config_entries({int(d): c for d, c in json.loads(args.candidates).items()})
     entries += (lse_entries() if "lse" in parts else []) + (gluon_entries() if "gluon" in parts else [])
     rows = snapshot(entries, args.out, args.spills, wgmma=args.wgmma)
     if args.json:
