@@ -273,20 +273,26 @@ def tiers() -> Dict[str, int]:
     return {t: s[t] for t in ("gproj", "fp32", "original")}
 
 
-def host_calls(mode: str, shape: Tuple[int, int, int, int], device: str, n: int) -> dict:
+def _attend(q, k, v):
+    import torch.nn.functional as F
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def host_calls(mode: str, shape: Tuple[int, int, int, int], device: str, n: int, compiled: bool = False) -> dict:
     """µs per causal SDPA forward+backward call at ``shape`` (B, H, S, D) in arm ``mode``: with a synchronize after
     each call (``serial``: host and GPU in series) and one per ``n`` calls (``batched``: host-bound calls overlap
     the GPU, so at a tiny shape this is host time); the tiers and KV-major launches that ran. BF16 on CUDA, FP16
-    on the CPU (there the kernel tier runs through Triton's interpreter when ``GPROJ_TIER=triton``)."""
-    import torch.nn.functional as F
+    on the CPU (there the kernel tier runs through Triton's interpreter when ``GPROJ_TIER=triton``).
+    ``compiled``: the call under ``torch.compile(fullgraph=True)``, compiled by the warm-up calls."""
     arm(mode)
+    attend = torch.compile(own_code(_attend, mode), fullgraph=True) if compiled else _attend
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(*shape, generator=g, device=device, dtype=dtype).requires_grad_() for _ in range(3))
     do = torch.randn(*shape, generator=g, device=device, dtype=dtype)
 
     def call():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+        attend(q, k, v).backward(do)
     for _ in range(5):
         call()
     sync(device)
