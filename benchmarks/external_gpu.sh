@@ -16,9 +16,10 @@
 #           installs flash-attn-4 the same way, then runs `python -m benchmarks.kernel` with it importable, so that
 #           FA4's backward is timed next to GProj, cuDNN and flash. KERNEL_ARGS: more options of benchmarks.kernel.
 #   records carry: .whl/ext2 (right after stage1 or prepare, as stage2)
-#           installs flash-attn-4 the same way, then runs benchmarks/fa4_records_check.py (issue 19 item 2: two
-#           real FA4 layers in `auto`, one at a 300σ key offset: two forward records, only the sick layer
-#           corrected, no "no forward record" line); its table in $OUT/fa4_records.log, fa4_records.json beside.
+#           installs flash-attn-4 the same way, then runs `python -m benchmarks.reach --check fa4`: two real FA4
+#           layers in `auto`, one at a 300σ key offset: two forward records, only the sick layer corrected, no
+#           "no forward record" line. reach.json and reach.log in $OUT. RECORDS_ARGS: more options of
+#           benchmarks.reach (e.g. --seqlen 4096).
 #   speed   carry: .whl/ext2 (right after stage1 or prepare, as stage2)
 #           installs flash-attn-4 the same way, then runs `python -m benchmarks.speed`: the fp64 gate at 128σ of
 #           every variant, then fwd+bwd of cuDNN, patched SDPA tl/Gluon/routed, FA4 and patched FA4 at the five
@@ -116,8 +117,8 @@ speed)
     ;;
 records)
     install_fa4 || exit 3
-    # shellcheck disable=SC2086  # RECORDS_ARGS: more options of fa4_records_check.py, e.g. --seqlen 4096
-    timeout 420 python3 benchmarks/fa4_records_check.py --out "$OUT" ${RECORDS_ARGS:-} 2>&1 | tee "$OUT/fa4_records.log"
+    # shellcheck disable=SC2086  # RECORDS_ARGS: more options of benchmarks.reach, e.g. --seqlen 4096
+    timeout 420 python3 -m benchmarks.reach --check fa4 --out "$OUT" ${RECORDS_ARGS:-} 2>&1 | tee "$OUT/reach_console.log"
     exit "${PIPESTATUS[0]}"
     ;;
 *)

@@ -1,4 +1,4 @@
-"""``benchmarks/auto_check.py`` through its CLI, in a subprocess (tests do not import benchmark scripts): which
+"""``python -m benchmarks.auto`` through its CLI, in a subprocess (tests do not import benchmark scripts): which
 checks decide its exit status. On a CPU the timing criteria are measured and printed but decide nothing (a ±5 %
 bound on a few CPU steps of a shared machine measures its neighbours); on a GPU they are the acceptance numbers,
 except the per-call detector cost (launch-bound there). One ``--cpu --small`` run (~6 s) gives the real check
@@ -15,7 +15,6 @@ import pytest
 from gproj_patch.runtime import config
 from tests.helpers.paths import REPO
 
-SCRIPT = REPO / "benchmarks" / "auto_check.py"
 #: the timing criteria (the rest are correctness checks: they decide everywhere)
 TIMING = {"overhead_le_1pct", "detector_le_3pct_of_bwd_amortized", "detector_le_3pct_of_bwd_per_call"}
 #: the one timing figure that never decides, not even on a GPU
@@ -24,15 +23,16 @@ PER_CALL = "detector_le_3pct_of_bwd_per_call"
 
 def _run(*args):
     env = {k: v for k, v in os.environ.items() if k not in config.ENV.values()}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=str(REPO), env=env, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run([sys.executable, "-m", "benchmarks.auto", *args], cwd=str(REPO), env=env,
+                          capture_output=True, text=True, timeout=180)
 
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("auto_check") / "summary.json"
-    proc = _run("--cpu", "--small", "--out", str(out))
+    folder = tmp_path_factory.mktemp("auto")
+    out = folder / "auto.json"
+    proc = _run("--cpu", "--small", "--out", str(folder))
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 

@@ -1,16 +1,19 @@
-"""Device check of `auto` mode (issue 5): overhead on benign keys, and the detector on one driven layer.
+"""``auto`` mode on a device: its overhead on benign keys, the detector's cost, and the detector on one driven layer.
 
-    python benchmarks/auto_check.py                  # H200: the acceptance numbers
-    python benchmarks/auto_check.py --cpu --small    # a CPU smoke run of the same code (minutes -> seconds)
-    python benchmarks/auto_check.py --recheck runs/auto_check_run8.json   # a saved summary under today's rule
+    python -m benchmarks.auto                     # GPU: the acceptance numbers
+    python -m benchmarks.auto --cpu --small       # the same code on a CPU (seconds)
+    python -m benchmarks.auto --recheck auto.json  # saved summaries re-decided under today's rule, nothing run
 
 Part A (overhead). A Llama built from a config (BF16, SDPA: cuDNN on the H200), random init, so its keys are
 benign (R_k ≈ 0). Forward + backward steps are timed in alternating blocks, unpatched vs
 `gproj_patch.enable(mode="auto")` + `track_layers(model)`, sampling every `--sample-every` steps (the
 sampled steps are inside the timed blocks). Criterion: mean step time overhead ≤ 1 %. Also the detector's cost
 on one call of the model's attention shape vs that call's fused backward, per sampled call and amortized over
-the sampling period (criterion ≤ 3 % amortized; the per-call figure is printed and recorded too: the detector is
-a few dozen small kernels, launch-bound on a GPU, and runs only on sampled calls).
+the sampling period (criterion ≤ 3 % amortized; the per-call figure is printed and recorded too: a sampled call
+is two kernel launches, a copy and a wait, launch-bound on a GPU, and only sampled calls run it). On CUDA also
+the detector's GPU time alone (``detector_kernel.head_statistics``, CUDA events, a ``torch.cuda._sleep`` queued
+ahead so the host's launch latency is hidden) against the backward's, and the kernel's summary against the torch
+arithmetic's on the CPU (largest relative difference).
 
 Part B (driven layer). The same model with one layer's key projection biased by a large constant on its
 lowest RoPE frequency: a common key offset ≫ the key spread. With `auto` and sampling every step the policy
@@ -20,18 +23,20 @@ F.scaled_dot_product_attention, keyed on the layer name) and compared with the f
 (`backends/reference.py`) on the same BF16 inputs: relative error ‖g − g64‖/‖g64‖ of dq, dk, dv ≤ 0.5 % with
 the patch; the unpatched backward's error is printed next to it (the leak the detector predicted).
 
-Prints one line per check and a JSON summary; `--out FILE` writes the JSON too. Exit status 1 if a deciding
+Prints one line per check and a JSON summary, also written to ``auto.json`` under ``--out`` (default
+``$OUT/auto``). Exit status 1 if a deciding
 check fails (`exit_status`): on a GPU every check but the per-call detector cost; on a CPU only the correctness
 checks — the timing criteria (overhead, detector cost) are printed and recorded but decide nothing there: a
 ±5 % bound on a few CPU steps of a shared machine measures its neighbours, and flipped the exit status from run
-to run. ``--recheck`` re-decides saved summaries (``--out`` JSON) under this rule without running anything
-(tests/scripts/test_auto_check.py runs both through this CLI).
+to run. ``--recheck`` re-decides saved summaries (``auto.json``) under this rule without running anything
+(tests/scripts/test_auto.py runs both through this CLI).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -41,10 +46,15 @@ import torch.nn.functional as F
 import transformers
 
 import gproj_patch
-from gproj_patch.policy import detector
+from benchmarks import common
 from gproj_patch import policy
+from gproj_patch.backends import detector_kernel
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.layers.tracking import track_layers
+from gproj_patch.policy import detector
+
+#: GPU cycles of ``torch.cuda._sleep`` queued ahead of an event-timed launch (~1 ms)
+SLEEP_CYCLES = 2_000_000
 
 
 def build(args, drive_layer=None):
@@ -132,7 +142,43 @@ def detector_cost(args):
     det = lambda: detector.compute(q.detach(), k.detach(), lse, None).summary()  # noqa: E731
     bwd(), det()
     t_bwd, t_det = best(bwd), best(det)
-    return {"detector_ms": 1e3 * t_det, "attention_bwd_ms": 1e3 * t_bwd, "detector_pct_of_bwd": 100 * t_det / t_bwd}
+    res = {"detector_ms": 1e3 * t_det, "attention_bwd_ms": 1e3 * t_bwd, "detector_pct_of_bwd": 100 * t_det / t_bwd}
+    if args.device == "cuda":
+        res.update(detector_gpu_time(q.detach(), k.detach(), lse, bwd))
+    return res
+
+
+def gpu_ms(fn, n=20):
+    """Best GPU time (ms) between two events around ``fn``'s launches, the queue kept busy ahead of them."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end))
+    return min(ts)
+
+
+def detector_gpu_time(q, k, lse, bwd) -> dict:
+    """The detector kernel's two launches alone in GPU time against the backward's, and the kernel's summary
+    against the torch arithmetic's (the detector on CPU copies) as the largest relative difference."""
+    S, D = q.shape[2], q.shape[3]
+    rows = torch.linspace(0, S - 1, detector.DEFAULT_MAX_ROWS, device=q.device).round().long()  # evenly strided
+
+    def launches():
+        return detector_kernel.head_statistics(q, k, lse, scale=D ** -0.5, u=2.0 ** -8, q_index=rows, k_index=rows)
+    t_det, t_bwd = gpu_ms(launches), gpu_ms(bwd)
+    got = detector.compute(q, k, lse, None).summary()
+    ref = detector.compute(q.cpu(), k.cpu(), lse.cpu(), None).summary()
+    worst = max(abs(got[key] - ref[key]) / max(abs(ref[key]), 1e-30) for key in detector.SUMMARY_KEYS)
+    return {"detector_gpu_ms": t_det, "attention_bwd_gpu_ms": t_bwd, "detector_gpu_pct_of_bwd": 100 * t_det / t_bwd,
+            "kernel_vs_torch_max_rel_diff": worst}
 
 
 class Capture:
@@ -242,9 +288,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="folder for auto.json (default $OUT/auto)")
     ap.add_argument("--recheck", nargs="+", metavar="SUMMARY", default=None,
-                    help="re-decide the exit status of saved summaries (--out JSON) under this rule; runs nothing")
+                    help="re-decide the exit status of saved summaries (auto.json) under this rule; runs nothing")
     args = ap.parse_args(argv)
     if args.recheck:
         return recheck(args.recheck)
@@ -265,6 +311,10 @@ def main(argv=None):
     print(f"[A] detector {a['detector_ms']:.3f} ms vs attention backward {a['attention_bwd_ms']:.3f} ms "
           f"= {a['detector_pct_of_bwd']:.2f}% per sampled call, {a['detector_pct_amortized']:.3f}% amortized "
           f"(sampling every {args.sample_every} steps)")
+    if "detector_gpu_ms" in a:
+        print(f"[A] detector GPU time {a['detector_gpu_ms']:.3f} ms vs the backward's {a['attention_bwd_gpu_ms']:.3f} "
+              f"ms = {a['detector_gpu_pct_of_bwd']:.2f}%; kernel vs torch arithmetic: max relative difference "
+              f"{a['kernel_vs_torch_max_rel_diff']:.2e}")
     policy.reset()
     gproj_patch.reset_stats()
     b = part_b(args)
@@ -281,16 +331,15 @@ def main(argv=None):
         "driven_grads_within_0.5pct": max(b["auto_err"].values()) <= 0.005,
     }
     summary = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-               "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}, "A": a, "B": b,
-               "checks": checks, "seconds": time.time() - t0}
+               "environment": common.environment(), "args": {k: v for k, v in vars(args).items()}, "A": a,
+               "B": b, "checks": checks, "seconds": time.time() - t0}
     for k, ok in checks.items():
         print(f"CHECK {k}: {'PASS' if ok else 'FAIL'}" + ("" if deciding(k, args.device) else " (informative)"))
     text = json.dumps(summary, indent=1, default=lambda x: x if not isinstance(x, float) or math.isfinite(x)
                       else str(x))
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    with open(os.path.join(common.out_dir("auto", args.out), "auto.json"), "w") as f:
+        f.write(text)
     return exit_status(checks, args.device)
 
 

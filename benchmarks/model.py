@@ -1,7 +1,7 @@
-"""Whole-model check of the interception on a tiny Llama (issue 4, "Done when").
+"""The interception end to end on a small Llama: forward bits, per-layer attention gradients against fp64, step time.
 
-    python benchmarks/model_check.py                 # GPU: BF16, seq 2048, cuDNN SDPA vs patched
-    python benchmarks/model_check.py --cpu --small   # CPU smoke run (minutes), same code path
+    python -m benchmarks.model                 # GPU: BF16, seq 2048, cuDNN SDPA vs patched
+    python -m benchmarks.model --cpu --small   # the same code path on a CPU
 
 What it measures, for a randomly initialised Llama whose layer ``--offset-layer`` gets a large common key offset
 (a constant added to that layer's ``k_proj`` bias on the lowest-frequency RoPE pair of every head, so RoPE
@@ -16,7 +16,10 @@ barely rotates it: ``--offset-sigma`` times the measured key spread):
    that number is printed too, as "model grads vs fp64 model".)
 3. step time (forward + backward, median of ``--iters``) of the patched model against the unpatched one.
 
-Writes ``model_check.json`` and ``model_check.log`` under ``--out`` (default ``$OUT`` or ``.``); the table last.
+4. per SDPA backend (forced with ``sdpa_kernel``; cuDNN, flash and efficient on CUDA): forward bits, the tiers
+   that ran, and dq against fp64 at a 64σ key offset, unpatched and patched.
+
+Writes ``model.json`` and ``model.log`` under ``--out`` (default ``$OUT/model``); the table last.
 """
 from __future__ import annotations
 
@@ -32,12 +35,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import gproj_patch
+from benchmarks import common
+from gproj_patch.backends.reference import reference_backward
 
-import gproj_patch  # noqa: E402
-from gproj_patch.backends.reference import reference_backward  # noqa: E402
-
-log = logging.getLogger("model_check")
+log = logging.getLogger("benchmarks.model")
 
 
 def parse_args(argv=None):
@@ -51,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--offset-sigma", type=float, default=128.0, help="key offset in units of the key spread")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--mode", default="gproj", help="patch mode for the patched runs")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=None, help="folder for model.json and model.log (default $OUT/model)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -160,7 +162,6 @@ def timed(model, ids, iters, device):
 def run(args):
     from transformers import AutoModelForCausalLM
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
-    os.makedirs(args.out, exist_ok=True)
     cfg, seq = build_config(args)
     batch = args.batch or (1 if args.small else 2)
     iters = args.iters or (3 if args.small else 20)
@@ -222,7 +223,7 @@ def run(args):
         "offset_layer_dq_patched_le_0.5pct": err_patch[L]["dq"] <= 5e-3,
         "offset_layer_dq_unpatched_ge_10pct": err_plain[L]["dq"] >= 0.10,
         "forward_bitwise_equal": results["forward_bitwise_equal"]}
-    with open(os.path.join(args.out, "model_check.json"), "w") as f:
+    with open(os.path.join(args.out, "model.json"), "w") as f:
         json.dump(results, f, indent=2)
     return results, err_plain, err_patch
 
@@ -267,7 +268,7 @@ def backend_check(args, device):
 
 
 def table(results, err_plain, err_patch):
-    lines = [f"model_check  {results['device']}  torch {results['torch']}  seq {results['seq']}  "
+    lines = [f"model check  {results['device']}  torch {results['torch']}  seq {results['seq']}  "
              f"batch {results['batch']}  mode {results['mode']}  offset {results['offset_sigma']:g} sigma on "
              f"layer {results['offset_layer']}",
              "layer | attention grad error vs fp64 oracle, unpatched dq / dk / dv | patched dq / dk / dv"]
@@ -299,13 +300,13 @@ def table(results, err_plain, err_patch):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args.out = common.out_dir("model", args.out)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
-                        handlers=[logging.FileHandler(os.path.join(args.out, "model_check.log")),
+                        handlers=[logging.FileHandler(os.path.join(args.out, "model.log")),
                                   logging.StreamHandler(sys.stderr)])
     results, err_plain, err_patch = run(args)
     text = table(results, err_plain, err_patch)
-    with open(os.path.join(args.out, "model_check.log"), "a") as f:
+    with open(os.path.join(args.out, "model.log"), "a") as f:
         f.write(text + "\n")
     print(text)
 
