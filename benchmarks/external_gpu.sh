@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# GPU runs of test suites nobody here wrote, gproj_patch off and on (issue 8). Two device calls, one right
-# after the other (the machine stays warm about 30 s between calls; stage 2 needs what stage 1 left in /tmp):
+# What needs FA4 (or PyTorch's testing helpers) on the GPU machine, which has no network: this script carries
+# the wheels in and installs them, then runs the entry point. FA4 travels as wheels split over two device calls
+# made one right after the other (the machine stays warm about 30 s between calls; the second needs what the first
+# left in /tmp):
 #
 #   stage1  carry: .whl/ext1 tests/external/vendor
 #           keeps FA4's first half (.whl/ext1: half of the ~92 MB nvidia-cutlass-dsl-libs-cu13 wheel, split with
-#           `split -n 2`, and two small wheels) in /tmp for stage 2, installs expecttest (PyTorch's testing helpers
-#           import it), then runs PyTorch's CUDA SDPA tests (benchmarks/external_gpu.py torch, ~600 selected).
+#           `split -n 2`, and two small wheels) in /tmp for the next call, installs expecttest (PyTorch's testing
+#           helpers import it), then runs PyTorch's CUDA SDPA tests (`python -m benchmarks.external torch`).
 #   stage2  carry: .whl/ext2 tests/external/vendor
 #           joins the wheel (sha256 checked), installs flash-attn-4 and its libraries with
 #           `pip --no-index --no-deps --target /tmp/site`, then runs flash-attention's FA4 tests
-#           (benchmarks/external_gpu.py fa4).
+#           (`python -m benchmarks.external fa4`).
 #   prepare carry: .whl/ext1 — only keeps FA4's first half in /tmp (stage1 without the suite; the call can go on
 #           with other work, e.g. GPU tests, while the machine stays warm for the next stage)
 #   timing  carry: .whl/ext2 (right after stage1 or prepare, as stage2)
@@ -27,9 +29,10 @@
 #           $OUT, the console (table last) in $OUT/speed_console.log. SPEED_ARGS: more options of benchmarks.speed
 #           (e.g. --skip-steps, --shapes 1,2, --deadline 240; default 330 s, steps given the last 75).
 #
-# Run from the repository root: `bash benchmarks/external_gpu.sh stage1` (then `stage2`). Results in $OUT:
+# Run from the repository root: `bash benchmarks/external_gpu.sh stage1` (then `stage2`). Suite results in $OUT:
 # <suite>.log (everything, the diff of outcomes last), <suite>_summary.txt, <suite>_outcomes.json and
-# <suite>_work.tgz (each arm's JUnit report, log, selection and gproj_patch.stats()).
+# <suite>_work.tgz (each arm's JUnit report, log, selection and gproj_patch.stats()), bundled so that few files
+# come back.
 set -u
 cd "$(dirname "$0")/.."
 stage=${1:-}
@@ -49,12 +52,12 @@ install() {  # wheels -> $SITE (no network there; --target skips .pth files, PYT
 
 run_suite() {  # $1 = torch | fa4
     local suite=$1 t0=$SECONDS rc
-    echo "=== $suite: benchmarks/external_gpu.py $suite --deadline $DEADLINE"
-    # shellcheck disable=SC2086  # EXTERNAL_ARGS: more options of external_gpu.py, e.g. --leak-check
-    timeout $((DEADLINE + 60)) python3 benchmarks/external_gpu.py "$suite" --out "$OUT/$suite" \
+    echo "=== $suite: python3 -m benchmarks.external $suite --deadline $DEADLINE"
+    # shellcheck disable=SC2086  # EXTERNAL_ARGS: more options of benchmarks.external, e.g. --leak-check
+    timeout $((DEADLINE + 60)) python3 -m benchmarks.external "$suite" --out "$OUT/$suite" \
         --deadline "$DEADLINE" ${EXTERNAL_ARGS:-} 2>&1 | tee "$OUT/$suite.log"
     rc=${PIPESTATUS[0]}
-    # $OUT brings back at most 8 files, 2 folders deep: bundle the per-arm files
+    # few files come back from the device: bundle the per-arm ones
     [ -f "$OUT/$suite/summary.txt" ] && mv "$OUT/$suite/summary.txt" "$OUT/${suite}_summary.txt"
     [ -f "$OUT/$suite/outcomes.json" ] && mv "$OUT/$suite/outcomes.json" "$OUT/${suite}_outcomes.json"
     [ -d "$OUT/$suite/work" ] && tar czf "$OUT/${suite}_work.tgz" -C "$OUT/$suite" work

@@ -1,8 +1,10 @@
-"""GPU runs of test suites nobody here wrote, with gproj_patch off and on (issue 8, "Done when").
+"""Test suites nobody here wrote, run on the GPU with gproj_patch off and on: what fails only with the patch?
 
-    PYTHONPATH=. python3 benchmarks/external_gpu.py torch --out $OUT/torch --deadline 420
-    PYTHONPATH=. python3 benchmarks/external_gpu.py fa4 --out $OUT/fa4 --deadline 420
-    PYTHONPATH=. python3 benchmarks/external_gpu.py torch --collect-only    # the selection only, no test runs
+    bash benchmarks/external_gpu.sh stage1      # GPU machine: PyTorch's CUDA SDPA tests (carries expecttest)
+    bash benchmarks/external_gpu.sh stage2      # right after: FA4's tests (installs the carried FA4 wheels)
+    python -m benchmarks.external torch --out DIR --deadline 420
+    python -m benchmarks.external fa4 --out DIR --deadline 420
+    python -m benchmarks.external torch --collect-only    # the selection only, no test runs
 
 ``torch``: PyTorch's ``test/test_transformers.py`` (tests/external/vendor/torch, see tests/external/PROVENANCE.md)
 on CUDA: ``TestSDPACudaOnly`` (its gradient tests ``test_flash_attention_vs_math_ref_grads`` and
@@ -33,9 +35,9 @@ import sys
 import time
 from pathlib import Path
 
+from tests.external import harness
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "external"))
-import harness  # noqa: E402
 
 TORCH_FILE = REPO / "tests" / "external" / "vendor" / "torch" / "test_transformers.py"
 FA4_FILE = REPO / "tests" / "external" / "vendor" / "fa4" / "test_flash_attn.py"
@@ -109,7 +111,7 @@ def _versions() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("suite", choices=("torch", "fa4"))
-    ap.add_argument("--out", default=os.environ.get("OUT", "external_out"))
+    ap.add_argument("--out", default=None, help="folder of the results (default $OUT/external_<suite>)")
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds for all arms together")
     ap.add_argument("--collect-only", action="store_true", help="print the selection, run nothing")
     ap.add_argument("--leak-check", action="store_true",
@@ -128,8 +130,8 @@ def main(argv=None) -> int:
     if args.classes:
         classes = tuple(args.classes.split(","))
         selection["GPROJ_EXTERNAL_CLASSES"] = args.classes
-    out = Path(args.out).resolve()  # the arms run pytest from their own work folder
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or os.path.join(os.environ.get("OUT", ".out"), f"external_{args.suite}")).resolve()
+    out.mkdir(parents=True, exist_ok=True)  # resolved: the arms run pytest from their own work folder
     if not test_file.is_file():
         print(f"the vendored suite {test_file} is absent (tests/external/PROVENANCE.md)")
         return 2
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
         print(f"RUN FAILED: {exc}")
         return 2
     if args.collect_only:
-        import gproj_plugin
+        from tests.external import gproj_plugin
 
         selected = result["off"]["selected"] or []
         bases = gproj_plugin._base_names(str(test_file))
