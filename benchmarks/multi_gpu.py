@@ -1,13 +1,20 @@
-"""Multi-GPU checks of issue 13: DDP / FSDP2 gradients, context parallel, and the per-shard GProj math.
+"""Multi-GPU: DDP / FSDP2 gradients, context parallel, and the per-shard GProj math, with the table last.
 
-    bash benchmarks/multi_gpu_check.sh                       # nvidia-h200-x2: every part, the table last
-    bash benchmarks/multi_gpu_check.sh --cpu                 # the same code on two gloo ranks (small sizes)
+    python -m benchmarks.multi_gpu                      # 2 GPUs (NCCL ranks through torchrun): every part
+    python -m benchmarks.multi_gpu --cpu                # the same on two gloo ranks (small sizes; ~2 min on 2 cores)
+    python -m benchmarks.multi_gpu --part shards --cpu  # one part (dp and cp run under torchrun -m)
 
-Parts (``--part``; the .sh runs them in this order):
+Without ``--part`` this process runs every part in a child process with its own time limit (a rank stuck in a
+collective ends its part, not the run), then the two examples under ``GPROJ_PATCH=1`` (torchrun DDP, accelerate
+FSDP2), appends every child's output to ``all.log`` with a start and an end line each, and prints the report.
+``GPROJ_PATCH=1`` needs the start-up hook (a .pth in a site directory); it is installed when absent unless
+``--no-hook-install`` (part dp then enables the patch in code and says so in its JSON).
+
+Parts (``--part``; run in this order):
 
 ``dp`` (torchrun, 2 ranks; the patch on through ``GPROJ_PATCH=1`` — enabled in code if the start-up hook is
-    absent, which the JSON records). A tiny Llama (``examples/multi_gpu_train.py``: FP32 parameters, BF16
-    autocast, one layer's keys driven into the large-key regime) takes one step on a global batch split over the
+    absent, which the JSON records). A tiny Llama (``examples/multi_gpu_train.py``, loaded from its file: FP32
+    parameters, BF16 autocast, one layer's keys driven into the large-key regime) takes one step on a global batch split over the
     ranks, wrapped in DDP and then in FSDP2. Rank 0 then runs, in one process on the same global batch: the
     patched model (the target), the same in two micro-batches of the ranks' shapes (the reduction-order noise
     floor), the unpatched model (how much the patch changes the gradients) and an FP64 model (the truth).
@@ -19,34 +26,36 @@ Parts (``--part``; the .sh runs them in this order):
     ring), unpatched and with the patch enabled *before* the context (the supported order; see
     docs/distributed.md). Recorded: dq/dk/dv error of the gathered gradients against fp64 of the whole sequence,
     patched == unpatched bit for bit, the DTensor reason in ``stats()`` on every rank. Today this is the
-    *uncorrected* ring backward (the DTensor call takes the original path): the issue's ≤ 0.5 % target is not
-    expected to pass here until CP gets its own corrected backward.
-``shards`` (one process). The math that corrected CP would need (DESIGN.md §6): the sequence cut into W chunks,
+    *uncorrected* ring backward (the DTensor call takes the original path): the ≤ 0.5 % target is not expected
+    to pass here until CP gets its own corrected backward.
+``shards`` (one process). The math that corrected CP would need (docs/distributed.md): the sequence cut into W chunks,
     every (query chunk, key chunk) block's backward run *separately* with the global output and the global LSE —
     exactly the blocks ring attention's backward runs — with GProj's projection per block (λ per key shard),
     dq summed over key chunks, dk/dv over query chunks. Backend: the GProj Triton kernel on CUDA, the
     rounding-exact emulation of a fused BF16 backward on the CPU; uncorrected blocks alongside. Then the same
     blocks in a small torch model (t = BF16(dS), r = BF16(P), contractions in fp64) for the candidate schemes:
-    λ per shard (§6), the row's global λ = Σρ/Σm, global λ with BF16 block partials, and global λ with BF16
-    partials contracted with centered keys k − k̄. Measured on the CPU (2026-12-01): λ per shard is *not*
-    accurate (key offset 128σ: dq 7.3 % at W = 2, 13 % at W = 4; sink: 51 % / 75 %) — every shard's exact dS
-    row sum is non-zero, only the whole row's is — while global λ with centered keys stays at ≤ 0.23 %.
-    Criterion (the recipe a corrected CP backward would implement): global λ + centered keys ≤ 0.5 %.
+    λ per shard, the row's global λ = Σρ/Σm, global λ with BF16 block partials, and global λ with BF16
+    partials contracted with centered keys k − k̄. λ per shard cannot be accurate: every shard's exact dS row
+    sum is non-zero, only the whole row's is (docs/distributed.md has the measured table). Criterion (the recipe a corrected CP backward would implement): global λ + centered keys ≤ 0.5 %.
 ``report``: reads the parts' JSON from ``--dir`` and prints the table (exit 1 if a criterion failed).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
 import torch
 
+from benchmarks import common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, ROOT)
+EXAMPLE = os.path.join(ROOT, "examples", "multi_gpu_train.py")
 
 CP_CASES = (("key_offset_128", False), ("key_offset_128", True), ("sink_offset_64", False))
 TOL_SHARD = 5e-3
@@ -70,12 +79,20 @@ def _grad_rel(a: dict, b: dict):
     return _rel(_flat(a), _flat(b)), worst, name
 
 
-def _dist():
+def example():
+    """``examples/multi_gpu_train.py`` as a module (the training loop this part checks), loaded from its file."""
+    spec = importlib.util.spec_from_file_location("multi_gpu_train", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dist(train):
     import torch.distributed as dist
-    from multi_gpu_train import setup
-    rank, world, device = setup()
+    rank, world, device = train.setup()
     if world < 2:
-        raise SystemExit("run this part under torchrun --nproc-per-node 2 (see benchmarks/multi_gpu_check.sh)")
+        raise SystemExit("run this part under torchrun --nproc-per-node 2 -m benchmarks.multi_gpu, or run every "
+                         "part with python -m benchmarks.multi_gpu")
     return dist, rank, world, device
 
 
@@ -88,8 +105,10 @@ def _write(path, obj):
 def part_dp(args):
     import gproj_patch
     from gproj_patch.integrations import startup
-    from multi_gpu_train import full_grads, global_batch, local_slice, loss_of, make_model, wrap
-    dist, rank, world, device = _dist()
+    train = example()
+    full_grads, global_batch, local_slice, loss_of, make_model, wrap = (
+        train.full_grads, train.global_batch, train.local_slice, train.loss_of, train.make_model, train.wrap)
+    dist, rank, world, device = _dist(train)
     enabled_by = "GPROJ_PATCH=1 start-up hook" if startup.status()["state"] == "enabled" else None
     if not gproj_patch.is_enabled():
         gproj_patch.enable(mode="gproj")
@@ -194,7 +213,7 @@ def part_cp(args):
     from torch.nn.attention import SDPBackend
 
     from gproj_patch.backends.reference import reference_backward
-    dist, rank, world, device = _dist()
+    dist, rank, world, device = _dist(example())
     if gproj_patch.is_enabled():  # this part switches the patch itself (unpatched, then enabled before CP)
         gproj_patch.disable()
     mesh = DeviceMesh(device.type, list(range(world)))
@@ -276,7 +295,7 @@ SCHEMES = ("uncorrected", "shard_zero", "global", "global_bf16", "global_centere
 def scheme_backward(q, k, v, o, do, lse, world, causal, scheme):
     """dq, dk (fp64) from the same world × world blocks, with t = BF16(dS) and r = BF16(P) formed in FP32 as a
     fused kernel forms them and the contractions in fp64 (isolates the projection). ``scheme``: "uncorrected";
-    "shard_zero" (DESIGN.md §6: λ per key shard, λ^(s) = ρ^(s)/m^(s)); "global" (λ = Σ_s ρ^(s) / Σ_s m^(s): the
+    "shard_zero" (docs/distributed.md: λ per key shard, λ^(s) = ρ^(s)/m^(s)); "global" (λ = Σ_s ρ^(s) / Σ_s m^(s): the
     row's own λ, which needs every key shard's two row sums before dq/dk are formed); "global_bf16": the same with
     each block's dq/dk partial rounded to BF16 before the FP32 accumulation, as ring attention accumulates the
     BF16 outputs of a fused backward per block (a block's partial dq carries its shard's non-zero row sum times the
@@ -398,9 +417,9 @@ def part_report(args):
         for r in sh["rows"]:
             lines.append(f"shards  | {r['case']:22s} W={r['shards']} | dq/dk % global λ {_pct(r['scheme_global'])}, "
                          f"same, BF16 partials {_pct(r['scheme_global_bf16'])}, centered "
-                         f"{_pct(r['scheme_global_centered_bf16'])}, λ per shard (§6) {_pct(r['scheme_shard_zero'])}, "
+                         f"{_pct(r['scheme_global_centered_bf16'])}, λ per shard {_pct(r['scheme_shard_zero'])}, "
                          f"uncorrected "
-                         f"{_pct(r['scheme_uncorrected'])} | {r['backend']} per block (§6) dq/dk/dv "
+                         f"{_pct(r['scheme_uncorrected'])} | {r['backend']} per block dq/dk/dv "
                          f"{_pct(r['err_gproj'])} | global λ + centered ≤0.5%: {'PASS' if r['passed'] else 'FAIL'}")
             ok &= bool(r["passed"])
     print("\n".join(lines))
@@ -408,19 +427,93 @@ def part_report(args):
     return 0 if ok else 1
 
 
+# ---------------------------------------------------------------------------------------------- every part --
+
+#: (name, seconds, the command after ``python -m``, GPROJ_PATCH on) of every step, in order; ``{dir}`` and the
+#: CPU flag are filled in by ``run_all``
+TORCHRUN = ("torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+STEPS = (
+    ("dp", 130, TORCHRUN + ("-m", "benchmarks.multi_gpu", "--part", "dp", "--dir", "{dir}"), True),
+    ("cp", 110, TORCHRUN + ("-m", "benchmarks.multi_gpu", "--part", "cp", "--dir", "{dir}"), False),
+    ("shards", 120, ("benchmarks.multi_gpu", "--part", "shards", "--dir", "{dir}", "{cpu}"), False),
+    ("example_torchrun_ddp", 45, TORCHRUN + (EXAMPLE, "--wrap", "ddp", "--drive-layer", "1"), True),
+    ("example_accelerate_fsdp2", 60, ("accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                                      "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                                      EXAMPLE, "--wrap", "fsdp2", "--drive-layer", "1"), True),
+)
+
+
+def run_step(name, limit, argv, env, log_path) -> int:
+    """``python -m argv`` in a session of its own, its output appended to the log between a start and an end
+    line; at ``limit`` seconds its process group is stopped (SIGTERM, then SIGKILL): a rank stuck in a collective
+    ends this step, not the run."""
+    with open(log_path, "a") as log:
+        line = f"=== {name} (limit {limit}s): python -m {' '.join(argv)}"
+        print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
+        t0 = time.time()
+        proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = 124
+        line = f"=== {name} rc={rc} in {time.time() - t0:.0f}s"
+        print(line, flush=True)
+        log.write(line + "\n")
+    return rc
+
+
+def run_all(args) -> int:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"),
+               PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
+    if args.cpu:  # two gloo ranks on the CPU, whatever GPUs the machine has
+        env.update(CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    log_path = os.path.join(args.dir, "all.log")
+    open(log_path, "w").close()
+    print(common.banner(common.environment()), f"gpus {torch.cuda.device_count()}", flush=True)
+    check = [sys.executable, "-m", "gproj_patch.integrations.startup", "--check"]
+    status = subprocess.run(check, env=env, capture_output=True, text=True).stdout
+    if "hook installed: ['/" not in status and not args.no_hook_install:
+        subprocess.run([sys.executable, "-m", "gproj_patch.integrations.startup", "--install"], env=env)
+        status = subprocess.run(check, env=env, capture_output=True, text=True).stdout
+    print(status.strip(), flush=True)
+    for name, limit, argv, patched in STEPS:
+        argv = [a.format(dir=args.dir, cpu="--cpu" if args.cpu else "") for a in argv]
+        step_env = dict(env, GPROJ_PATCH="1", GPROJ_MODE="gproj") if patched else env
+        run_step(name, limit, [a for a in argv if a], step_env, log_path)
+    with open(log_path) as f:
+        for line in f:
+            if line.startswith("[rank "):
+                print(line.rstrip())
+    return part_report(args)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["dp", "cp", "shards", "report"], required=True)
-    ap.add_argument("--out", default=None, help="JSON file of this part")
-    ap.add_argument("--dir", default="multi_gpu_out", help="report: the folder with dp/cp/shards.json")
-    ap.add_argument("--cpu", action="store_true", help="shards: run on the CPU even where CUDA is present")
+    ap.add_argument("--part", choices=["dp", "cp", "shards", "report"], default=None,
+                    help="one part (dp and cp under torchrun); default: every part, then the report")
+    ap.add_argument("--out", default=None, help="JSON file of this part (default DIR/<part>.json)")
+    ap.add_argument("--dir", default=None, help="the parts' folder (default $OUT/multi_gpu)")
+    ap.add_argument("--cpu", action="store_true", help="two gloo ranks on the CPU (shards: the CPU backend)")
+    ap.add_argument("--no-hook-install", action="store_true",
+                    help="every part: leave the GPROJ_PATCH=1 start-up hook uninstalled where it is absent")
     args = ap.parse_args(argv)
+    args.dir = common.out_dir("multi_gpu", args.dir)
+    if args.part is None:
+        return run_all(args)
     if args.part != "report" and args.out is None:
         args.out = os.path.join(args.dir, f"{args.part}.json")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     import faulthandler
-    faulthandler.dump_traceback_later(420, exit=True)  # a rank stuck in a collective ends the step
+    faulthandler.dump_traceback_later(420, exit=True)  # a rank stuck in a collective ends the part
     rc = {"dp": part_dp, "cp": part_cp, "shards": part_shards, "report": part_report}[args.part](args)
     return rc or 0
 
