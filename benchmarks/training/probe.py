@@ -1,4 +1,4 @@
-"""Instruments of ``benchmarks/training_regime.py``: what one training step's attention calls looked like.
+"""Instruments of ``python -m benchmarks.training``: what one training step's attention calls looked like.
 
 * ``AttentionRecorder`` wraps whatever ``torch.nn.functional.scaled_dot_product_attention`` is while it is active
   (the unpatched function or the gproj_patch hook, which it calls unchanged) and keeps each call's q, k, v
@@ -157,13 +157,13 @@ def gradient_gap(g: torch.Tensor, ref: torch.Tensor) -> Dict[str, float]:
 
 
 def main(argv=None) -> int:
-    """``python benchmarks/training_regime_probe.py SAVED.pt``: the statistics of attention inputs saved with
+    """``python -m benchmarks.training.probe SAVED.pt``: the statistics of attention inputs saved with
     ``torch.save`` (a dict: ``calls``, a list of dicts of ``AttentionCall``'s fields without grads, and/or
     ``gaps``, a list of pairs (g, ref) of flat gradients), as JSON: per call R_k per (sequence, KV head) and
     ``layer_statistics`` over the calls; ``gradient_gap(g, ref)`` of each pair."""
     import argparse
     import json
-    ap = argparse.ArgumentParser(description="statistics of saved attention inputs, as training_regime logs them")
+    ap = argparse.ArgumentParser(description="statistics of saved attention inputs, as benchmarks.training logs them")
     ap.add_argument("saved", help="a torch.save'd dict with 'calls' and/or 'gaps'")
     args = ap.parse_args(argv)
     saved = torch.load(args.saved, weights_only=True)

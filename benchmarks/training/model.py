@@ -1,7 +1,7 @@
-"""Model side of ``benchmarks/training_regime.py``: the run's configuration, the Llama built from a config, the
+"""Model side of ``python -m benchmarks.training``: the run's configuration, the Llama built from a config, the
 induced key offset, the loss under BF16 autocast.
 
-The key offset (why: see ``training_regime.py``'s docstring): a frozen ``k_proj`` bias on the lowest-frequency
+The key offset (why: see ``benchmarks/training/__main__.py``'s docstring): a frozen ``k_proj`` bias on the lowest-frequency
 RoPE pair of every KV head (coordinates D/2−1 and D−1 in HF's rotate-half layout), ‖b‖ = ``offset_rk`` times the
 layer's key spread RMS_j ‖k_j − mean key‖ measured at init on the first batch (pre-RoPE, averaged over sequences
 and KV heads), so R_k ≈ ``offset_rk`` at step 0.
@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-import training_regime_data as data
+from benchmarks.training import data
 
 ARM_MODES = {"unpatched": None, "gproj": "gproj", "auto": "auto", "fp32": "fp32"}
 HEAD_DIM = 64

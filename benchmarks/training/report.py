@@ -1,4 +1,4 @@
-"""Reporting of ``benchmarks/training_regime.py``: progress bar, summary figures, compact JSON, the PNG, the table.
+"""Reporting of ``python -m benchmarks.training``: progress bar, summary figures, compact JSON, the PNG, the table.
 
 Summary figures per arm (``summarize``): mean training loss over the last ``TAIL_FRACTION`` of the steps, the last
 held-out loss and its difference to the FP32-attention arm, the pre-clip gradient norm (median of the tail and
@@ -114,7 +114,7 @@ def _fmt(x, spec=".4f") -> str:
 
 def table(results: dict) -> str:
     cfg, env, summ = results["config"], results["environment"], results["summary"]
-    lines = [f"training_regime  {env['device']}  torch {env['torch']}  transformers {env['transformers']}  "
+    lines = [f"training evidence  {env['device']}  torch {env['torch']}  transformers {env['transformers']}  "
              f"{results['parameters'] / 1e6:.1f}M params  {results['steps']} steps × {cfg['batch']}×{cfg['seq']} "
              f"bytes  offset R_k {cfg['offset_rk']:g} on layers {cfg['offset_layers']} of {cfg['layers']}",
              f"step-0 forward bitwise equal across arms: {results['step0_forward_bitwise_equal']}",
@@ -210,7 +210,7 @@ def plot(results: dict, path: str) -> Optional[str]:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)
     env = results["environment"]
-    fig.suptitle(f"training_regime: {env['device']}, {results['parameters'] / 1e6:.1f}M-param Llama, "
+    fig.suptitle(f"training evidence: {env['device']}, {results['parameters'] / 1e6:.1f}M-param Llama, "
                  f"{results['steps']} steps, key offset R_k={cfg['offset_rk']:g} at init on layers "
                  f"{cfg['offset_layers']}")
     fig.tight_layout()

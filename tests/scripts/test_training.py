@@ -1,9 +1,9 @@
-"""CPU run of ``benchmarks/training_regime.py --cpu --small`` (issue 12): the plumbing, not the science.
+"""CPU run of ``python -m benchmarks.training --cpu --small``: the plumbing, not the science.
 
 The scripts are run through their command lines in a subprocess, never imported (tests do not import benchmark
 scripts). One small lockstep run of the four arms (~10 s on one CPU thread) shared by the tests below, read back
 from its JSON (floats to 6 significant digits), log and plot; plus checks of its data split
-(``training_regime_data.py`` on a synthetic source tree) and of its statistics (``training_regime_probe.py`` on
+(``benchmarks.training.data`` on a synthetic source tree) and of its statistics (``benchmarks.training.probe`` on
 saved tensors) against direct fp64 computations. On a CPU the ``gproj`` arm runs the FP32 tier (no GPU kernel),
 so ``gproj`` and ``fp32`` coincide here; the unpatched arm is PyTorch's CPU flash backward, which rounds dS to
 BF16 like the fused GPU kernels.
@@ -21,8 +21,6 @@ import torch
 from gproj_patch.runtime import config
 from tests.helpers.paths import REPO
 
-BENCH = REPO / "benchmarks"
-
 ARMS = ("unpatched", "gproj", "auto", "fp32")
 #: The regime's leak must be visible: uncorrected dq error on the offset layer at R_k = 512 is ~100 % (≥ 20 %).
 REGIME_DQ_ERROR = 0.20
@@ -31,9 +29,9 @@ CORRECTED_DQ_ERROR = 0.005
 
 
 def _script(name, *args):
-    """``benchmarks/<name>.py`` run with ``args`` (the patch's environment variables cleared); its stdout."""
+    """``python -m <name>`` run with ``args`` (the patch's environment variables cleared); its stdout."""
     env = {k: v for k, v in os.environ.items() if k not in config.ENV.values()}
-    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *map(str, args)], cwd=str(REPO), env=env,
+    proc = subprocess.run([sys.executable, "-m", name, *map(str, args)], cwd=str(REPO), env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -41,9 +39,9 @@ def _script(name, *args):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("training_regime")
-    stdout = _script("training_regime", "--cpu", "--small", "--out", out)
-    with open(out / "training_regime.json") as f:
+    out = tmp_path_factory.mktemp("training")
+    stdout = _script("benchmarks.training", "--cpu", "--small", "--out", out)
+    with open(out / "training.json") as f:
         return json.load(f), out, stdout
 
 
@@ -59,8 +57,8 @@ def test_outputs_and_curves(run):
     saved, out, stdout = run
     cfg = saved["config"]
     assert saved["steps"] == cfg["max_steps"] and saved["error"] is None
-    assert (out / "training_regime.png").stat().st_size > 10_000
-    log_text = (out / "training_regime.log").read_text()
+    assert (out / "training.png").stat().st_size > 10_000
+    log_text = (out / "training.log").read_text()
     assert "step-0 forward bitwise equal across arms" in log_text
     assert stdout.strip() and log_text.rstrip().endswith(stdout.strip())  # the table printed last, also logged
     assert all(any(line.startswith(f"{name:10s} | ") for line in log_text.splitlines()) for name in ARMS)
@@ -120,7 +118,7 @@ def test_auto_flags_offset_layers_and_agrees_with_the_oracle(run):
 
 
 def test_r_k_matches_the_detector_on_sampled_steps(run):
-    """Our R_k (training_regime_probe, full batch here) against the detector's (policy.stats()) on the same call."""
+    """Our R_k (benchmarks.training.probe, full batch here) against the detector's (policy.stats()) on the same call."""
     results, _, _ = run
     cfg, auto = results["config"], results["arms"]["auto"]
     assert cfg["batch"] <= results["probe"]["stats_seqs"]
@@ -134,7 +132,7 @@ def test_r_k_matches_the_detector_on_sampled_steps(run):
 
 
 def test_offset_ratio_logits_and_gradient_gap_against_fp64(tmp_path):
-    """The probe's statistics (``training_regime_probe.py`` on tensors saved here) against fp64 by hand."""
+    """The probe's statistics (``benchmarks.training.probe`` on tensors saved here) against fp64 by hand."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 33, 64, generator=g, dtype=torch.float64)
     k = torch.randn(2, 2, 33, 64, generator=g, dtype=torch.float64) * 0.5
@@ -148,7 +146,7 @@ def test_offset_ratio_logits_and_gradient_gap_against_fp64(tmp_path):
     call = dict(q=q.float(), k=k.float(), v=k.float(), attn_mask=None, is_causal=True, scale=None)
     ref = torch.tensor([3.0, 4.0])
     torch.save({"calls": [call], "gaps": [(ref, ref), (torch.tensor([0.0, 10.0]), ref)]}, tmp_path / "saved.pt")
-    got = json.loads(_script("training_regime_probe", tmp_path / "saved.pt"))
+    got = json.loads(_script("benchmarks.training.probe", tmp_path / "saved.pt"))
     assert torch.allclose(torch.tensor(got["offset_ratio"][0], dtype=torch.float64), expected, rtol=1e-5)
     stats = got["layer_statistics"]
     s = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, dim=1)) / 8.0
@@ -164,7 +162,7 @@ def test_offset_ratio_logits_and_gradient_gap_against_fp64(tmp_path):
 
 
 def test_data_split_is_deterministic_and_disjoint(tmp_path):
-    """``training_regime_data.py`` on a synthetic source tree: files in sorted path order, every
+    """``benchmarks.training.data`` on a synthetic source tree: files in sorted path order, every
     ``heldout_every``-th held out whole, site-packages excluded, each split its files joined by NUL; the training
     windows a function of the seed (the same in two processes)."""
     contents = {}
@@ -176,8 +174,8 @@ def test_data_split_is_deterministic_and_disjoint(tmp_path):
     (tmp_path / "site-packages").mkdir()
     (tmp_path / "site-packages" / "x.py").write_bytes(b"excluded")
     args = ("--root", tmp_path, "--list", "--steps", 5, "--batch", 3, "--seq", 8)
-    split = json.loads(_script("training_regime_data", *args, "--seeds", "1,2"))
-    again = json.loads(_script("training_regime_data", *args, "--seeds", "1"))
+    split = json.loads(_script("benchmarks.training.data", *args, "--seeds", "1,2"))
+    again = json.loads(_script("benchmarks.training.data", *args, "--seeds", "1"))
     names = sorted(contents)
     assert split["files"] == names
     held = names[::split["heldout_every"]]

@@ -1,7 +1,9 @@
-"""Matched short training runs that differ only in the attention backward (issue 12, "Training evidence").
+"""Training evidence: matched short training runs that differ only in the attention backward.
 
-    PYTHONPATH=. python benchmarks/training_regime.py                # H200: all arms, within --time-budget
-    PYTHONPATH=. python benchmarks/training_regime.py --cpu --small  # the same code path on a CPU, < 1 min
+    python -m benchmarks.training                    # GPU: all arms, within --time-budget
+    python -m benchmarks.training --cpu --small      # the same code path on a CPU, < 1 min
+    python -m benchmarks.training.data [--list]      # this machine's corpus split, as JSON
+    python -m benchmarks.training.probe SAVED.pt     # the logged statistics of saved attention inputs
 
 Arms (same seed, same init, same data order, BF16 autocast over FP32 master weights, AdamW, clipping):
 ``unpatched`` (PyTorch's fused BF16 SDPA backward: cuDNN on the H200, the CPU flash kernel on a CPU), ``gproj``
@@ -13,7 +15,7 @@ The arms run in lockstep blocks of ``--eval-every`` steps, so a wall-clock budge
 
 Model: a Llama-style decoder from a ``LlamaConfig`` (no download), head dim 64, no QK-norm, no softcap, HF's
 ``"sdpa"`` attention, RoPE base ``--rope-theta`` (5e5, Llama 3's), byte vocabulary. Data:
-``training_regime_data.py`` (Python's standard library source, bytes).
+``benchmarks/training/data.py`` (Python's standard library source, bytes).
 
 The regime, induced: the paper's model reached it after 25B tokens; here ``--offset-layers`` get, at init, a
 frozen bias on ``k_proj`` along the lowest-frequency RoPE pair of every KV head (coordinates D/2−1 and D−1,
@@ -21,17 +23,17 @@ which RoPE rotates by < 2e-3 rad over the sequence at base 5e5), sized so the ke
 R_k = ‖mean key‖ / RMS‖k_j − mean key‖ is ``--offset-rk`` at init. Why this mechanism: a common key translation
 is the softmax gauge — the exact forward and exact gradients are (up to that small rotation) unchanged, so an
 exact-arithmetic run would not notice it — while a backward that rounds dS leaks α·ρ_i·(mean key) into dq
-(DESIGN §1). That is the regime's defining property (keys far from their spread), without changing what the
+(docs/math.md §3). That is the regime's defining property (keys far from their spread), without changing what the
 model can learn. Frozen, because its exact gradient is ~0 and Adam would turn rounding noise into unit-size
 steps; the regime is held, not grown. Nothing tells an arm which layers carry it.
 
 Logged per step and arm: training loss, pre-clip global gradient norm, per layer R_k, max |logit| and mean row
-max of P (``training_regime_probe.layer_statistics``), the tier ``auto`` holds per layer (``policy.stats()``);
+max of P (``probe.layer_statistics``), the tier ``auto`` holds per layer (``policy.stats()``);
 held-out loss every ``--eval-every`` steps; at checkpoints (every ``--checkpoint-every`` steps and after the
 last step) each layer's dq/dk/dv error against the fp64 oracle on that step's recorded attention inputs, and the
 gap (cosine, relative difference, norm ratio) between the arm's full-model gradient and the FP32-tier gradient
-of the same weights on the same batch. Writes ``training_regime.json``, ``training_regime.png`` and
-``training_regime.log`` under ``--out``; the table of final figures is printed last.
+of the same weights on the same batch. Writes ``training.json``, ``training.png`` and ``training.log`` under
+``--out`` (default ``$OUT/training``); the table of final figures is printed last.
 """
 from __future__ import annotations
 
@@ -47,20 +49,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import gproj_patch
+from benchmarks import common
+from benchmarks.training import data, probe, report
+from benchmarks.training.model import ARM_MODES, SMALL, RunConfig, build_model, induce_key_offset, lm_loss
+from gproj_patch import policy
+from gproj_patch.layers.tracking import track_layers
 
-import gproj_patch  # noqa: E402
-from gproj_patch import policy  # noqa: E402
-from gproj_patch.layers.tracking import track_layers  # noqa: E402
-
-import training_regime_data as data  # noqa: E402
-from training_regime_model import (ARM_MODES, SMALL, RunConfig, build_model, induce_key_offset,  # noqa: E402
-                                   lm_loss)
-import training_regime_probe as probe  # noqa: E402
-import training_regime_report as report  # noqa: E402
-
-log = logging.getLogger("training_regime")
+log = logging.getLogger("benchmarks.training")
 
 REFERENCE_ARM = "fp32"
 SDPA_ONLY = ("sdpa",)
@@ -257,7 +253,7 @@ def parse_args(argv=None) -> Tuple[RunConfig, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="run on the CPU")
     ap.add_argument("--small", action="store_true", help="tiny model and run (smoke test of the same code path)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=None, help="folder for training.json/.png/.log (default $OUT/training)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--threads", type=int, default=CPU_THREADS, help="torch threads on a CPU")
     for f in fields(RunConfig):
@@ -293,8 +289,8 @@ def environment(device: torch.device) -> Dict[str, str]:
 
 def main(argv=None) -> dict:
     cfg, args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    log_path = os.path.join(args.out, "training_regime.log")
+    args.out = common.out_dir("training", args.out)
+    log_path = os.path.join(args.out, "training.log")
     handlers = [logging.FileHandler(log_path, mode="w"), logging.StreamHandler(sys.stderr)]
     for h in handlers:  # this script's logger only: the root logger (and a test runner's handlers) stay as they are
         h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
@@ -341,12 +337,12 @@ def _run(cfg: RunConfig, args: argparse.Namespace, log_path: str, t0: float) -> 
                "arms": {a.name: a.curves for a in trainer.arms}, "seconds": time.time() - t0}
     if error is None:
         results["summary"] = report.summarize(results)
-    with open(os.path.join(args.out, "training_regime.json"), "w") as f:
+    with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(report.compact(results), f)
     if error is not None:
-        raise SystemExit(f"training_regime: {error} (curves up to step {trainer.steps_done} in the JSON)")
+        raise SystemExit(f"benchmarks.training: {error} (curves up to step {trainer.steps_done} in the JSON)")
     if not args.no_plot:
-        report.plot(results, os.path.join(args.out, "training_regime.png"))
+        report.plot(results, os.path.join(args.out, "training.png"))
     text = report.table(results)
     with open(log_path, "a") as f:
         f.write(text + "\n")

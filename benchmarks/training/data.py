@@ -1,4 +1,4 @@
-"""Training data of ``benchmarks/training_regime.py``: Python's standard library source, as bytes.
+"""Training data of ``python -m benchmarks.training``: Python's standard library source, as bytes.
 
 Text that exists offline on every machine with a Python: the ``*.py`` files under
 ``sysconfig.get_paths()["stdlib"]`` (``site-packages`` / ``dist-packages`` excluded), in sorted path order,
@@ -113,10 +113,10 @@ def describe(root: Optional[Path] = None, *, max_bytes: Optional[int] = None, li
 
 
 def main(argv=None) -> int:
-    """``python benchmarks/training_regime_data.py``: this machine's corpus split, as JSON (``describe``)."""
+    """``python -m benchmarks.training.data``: this machine's corpus split, as JSON (``describe``)."""
     import argparse
     import json
-    ap = argparse.ArgumentParser(description="the training corpus split of training_regime.py, as JSON")
+    ap = argparse.ArgumentParser(description="the training corpus split of benchmarks.training, as JSON")
     ap.add_argument("--root", default=None, help="a source tree instead of this Python's stdlib")
     ap.add_argument("--max-bytes", type=int, default=None)
     ap.add_argument("--list", action="store_true", help="also the relative paths of both splits")
