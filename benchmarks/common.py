@@ -190,7 +190,7 @@ def parse_indices(text: Optional[str], items: Sequence) -> list:
 
 def tflops(shape, ms: float, products: int = 5) -> float:
     """TFLOP/s of ``products`` S×S×D matrix products (2·B·Hq·S²·D FLOP each, halved when causal) in ``ms``. A
-    standard fused backward runs 5 (S, dP, dV, dK, dQ), a forward 2, the GProj backward 8 (its dQ-major launch
+    standard fused backward has 5 (S, dP, dV, dK, dQ), a forward 2, the GProj backward 8 (its dQ-major launch
     recomputes S and dP, and adds the correction's r·K)."""
     B, H, S, D, causal = shape[:5]
     flop = products * 2.0 * B * H * S * S * D * (0.5 if causal else 1.0)

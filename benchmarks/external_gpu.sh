@@ -7,11 +7,11 @@
 #   stage1  carry: .whl/ext1 tests/external/vendor
 #           keeps FA4's first half (.whl/ext1: half of the ~92 MB nvidia-cutlass-dsl-libs-cu13 wheel, split with
 #           `split -n 2`, and two small wheels) in /tmp for the next call, installs expecttest (PyTorch's testing
-#           helpers import it), then runs PyTorch's CUDA SDPA tests (`python -m benchmarks.external torch`).
+#           helpers import it), then runs PyTorch's CUDA SDPA tests (`python -m benchmarks.external_suites torch`).
 #   stage2  carry: .whl/ext2 tests/external/vendor
 #           joins the wheel (sha256 checked), installs flash-attn-4 and its libraries with
 #           `pip --no-index --no-deps --target /tmp/site`, then runs flash-attention's FA4 tests
-#           (`python -m benchmarks.external fa4`).
+#           (`python -m benchmarks.external_suites fa4`).
 #   prepare carry: .whl/ext1 — only keeps FA4's first half in /tmp (stage1 without the suite; the call can go on
 #           with other work, e.g. GPU tests, while the machine stays warm for the next stage)
 #   timing  carry: .whl/ext2 (right after stage1 or prepare, as stage2)
@@ -52,9 +52,9 @@ install() {  # wheels -> $SITE (no network there; --target skips .pth files, PYT
 
 run_suite() {  # $1 = torch | fa4
     local suite=$1 t0=$SECONDS rc
-    echo "=== $suite: python3 -m benchmarks.external $suite --deadline $DEADLINE"
-    # shellcheck disable=SC2086  # EXTERNAL_ARGS: more options of benchmarks.external, e.g. --leak-check
-    timeout $((DEADLINE + 60)) python3 -m benchmarks.external "$suite" --out "$OUT/$suite" \
+    echo "=== $suite: python3 -m benchmarks.external_suites $suite --deadline $DEADLINE"
+    # shellcheck disable=SC2086  # EXTERNAL_ARGS: more options of benchmarks.external_suites, e.g. --leak-check
+    timeout $((DEADLINE + 60)) python3 -m benchmarks.external_suites "$suite" --out "$OUT/$suite" \
         --deadline "$DEADLINE" ${EXTERNAL_ARGS:-} 2>&1 | tee "$OUT/$suite.log"
     rc=${PIPESTATUS[0]}
     # few files come back from the device: bundle the per-arm ones
@@ -121,7 +121,8 @@ speed)
 records)
     install_fa4 || exit 3
     # shellcheck disable=SC2086  # RECORDS_ARGS: more options of benchmarks.reach, e.g. --seqlen 4096
-    timeout 420 python3 -m benchmarks.reach --check fa4 --out "$OUT" ${RECORDS_ARGS:-} 2>&1 | tee "$OUT/reach_console.log"
+    timeout 420 python3 -m benchmarks.reach --check fa4 --out "$OUT" ${RECORDS_ARGS:-} 2>&1 \
+        | tee "$OUT/reach_console.log"
     exit "${PIPESTATUS[0]}"
     ;;
 *)

@@ -420,7 +420,8 @@ def print_breakdown(r: dict, log) -> None:
     B, H, S, D = r["shape"]
     log(r["profile"])
     base = r["rows"]["unpatched fwd+bwd"]
-    log(f"host µs a call at {B}·{H}·{S}·{D} causal on {r['device']} ({'kernels stubbed, path ' + r['path'] if r['device'] == 'cpu' else 'real launches'}); "
+    how = f"kernels stubbed, path {r['path']}" if r["device"] == "cpu" else "real launches"
+    log(f"host µs a call at {B}·{H}·{S}·{D} causal on {r['device']} ({how}); "
         f"tiers {r['tiers']}; gc collections per 1000 calls (gen 0, 1, 2) {r['gc_per_1000']}; "
         f"prepared launches (hits, misses) {r['prepared_hits_misses']}")
     log("inclusive µs a call of the call's layers (perf_counter around each; gproj):")

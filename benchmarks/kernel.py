@@ -234,7 +234,7 @@ def markdown(r: dict) -> str:
     if r["timings"]:
         lines += [f"Configs (BLOCK_M, BLOCK_N, warps, stages): {json.dumps(r['configs'])}", "",
                   "Backward, median ms (`triton.testing.do_bench`); routed = the plan's launches (KV/dQ). TFLOP/s on "
-                  "5 products for every column (GProj runs 8: its own rate is 8/5 of that).", "",
+                  "5 products for every column (GProj has 8: its own rate is 8/5 of that).", "",
                   "| B·H·S·D | routed (KV/dQ) | all tl | two-product dk | uncorrected | cuDNN | flash | FA4 | "
                   "routed/cuDNN | routed/FA4 | routed/unc | TFLOP/s routed / cuDNN / FA4 |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -255,8 +255,9 @@ def markdown(r: dict) -> str:
                                                           for p in ("dq", "dkdv")) + " |")
         fp32 = [t for t in r["timings"] if "fp32_kernel_bwd" in t]
         if fp32:
-            lines += ["", "FP32 tier backward (ms): the kernel on fp32 copies vs the chunked fp32 GEMMs; FP32 efficient "
-                      "attention fwd+bwd for scale; the kernel form's error vs fp64 (dq, dk, dv; one head).", "",
+            lines += ["", "FP32 tier backward (ms): the kernel on fp32 copies vs the chunked fp32 GEMMs; FP32 "
+                      "efficient attention fwd+bwd for scale; the kernel form's error vs fp64 (dq, dk, dv; one head).",
+                      "",
                       "| B·H·S·D | kernel form | chunked | chunked / kernel | FP32 eff fwd+bwd | error |",
                       "|---|---|---|---|---|---|"]
             for t in fp32:
@@ -451,8 +452,8 @@ def summarize(path, top=4) -> str:
         rows = [r for r in csv.reader(line for line in f if line.startswith('"'))]
     header, units, data = rows[0], rows[1], rows[2:]
     col = {name: i for i, name in enumerate(header)}
-    lines = ["| kernel | " + " | ".join(NCU_COLUMNS.values()) + " | top stall reasons (cycles per issued instruction) |",
-             "|---|" + "---|" * len(NCU_COLUMNS) + "---|"]
+    lines = ["| kernel | " + " | ".join(NCU_COLUMNS.values())
+             + " | top stall reasons (cycles per issued instruction) |", "|---|" + "---|" * len(NCU_COLUMNS) + "---|"]
     for r in data:
         vals = []
         for metric in NCU_COLUMNS:

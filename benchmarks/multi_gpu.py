@@ -14,10 +14,11 @@ Parts (``--part``; run in this order):
 
 ``dp`` (torchrun, 2 ranks; the patch on through ``GPROJ_PATCH=1`` — enabled in code if the start-up hook is
     absent, which the JSON records). A tiny Llama (``examples/multi_gpu_train.py``, loaded from its file: FP32
-    parameters, BF16 autocast, one layer's keys driven into the large-key regime) takes one step on a global batch split over the
-    ranks, wrapped in DDP and then in FSDP2. Rank 0 then runs, in one process on the same global batch: the
-    patched model (the target), the same in two micro-batches of the ranks' shapes (the reduction-order noise
-    floor), the unpatched model (how much the patch changes the gradients) and an FP64 model (the truth).
+    parameters, BF16 autocast, one layer's keys driven into the large-key regime) takes one step on a global
+    batch split over the ranks, wrapped in DDP and then in FSDP2. Rank 0 then runs, in one process on the same
+    global batch: the patched model (the target), the same in two micro-batches of the ranks' shapes (the
+    reduction-order noise floor), the unpatched model (how much the patch changes the gradients) and an FP64
+    model (the truth).
     Criteria: ‖g_DDP − g_single‖/‖g_single‖ ≤ 2·noise + 1e-5, same for FSDP2; every rank's ``stats()`` shows
     the kernel tier (CUDA: ``gproj`` > 0; CPU: the FP32 tier) and no "original" backward.
 ``cp`` (torchrun, 2 ranks). ``torch.distributed.tensor.experimental.context_parallel`` on the audit's
@@ -36,7 +37,8 @@ Parts (``--part``; run in this order):
     blocks in a small torch model (t = BF16(dS), r = BF16(P), contractions in fp64) for the candidate schemes:
     λ per shard, the row's global λ = Σρ/Σm, global λ with BF16 block partials, and global λ with BF16
     partials contracted with centered keys k − k̄. λ per shard cannot be accurate: every shard's exact dS row
-    sum is non-zero, only the whole row's is (docs/distributed.md has the measured table). Criterion (the recipe a corrected CP backward would implement): global λ + centered keys ≤ 0.5 %.
+    sum is non-zero, only the whole row's is (docs/distributed.md has the measured table). Criterion (the recipe
+    a corrected CP backward would implement): global λ + centered keys ≤ 0.5 %.
 ``report``: reads the parts' JSON from ``--dir`` and prints the table (exit 1 if a criterion failed).
 """
 from __future__ import annotations

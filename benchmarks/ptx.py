@@ -228,8 +228,9 @@ def _launch_entries(job, head_dim: int, tag: str, kinds=("dq", "dkdv")) -> List[
 
 def config_entries(candidates: dict, variants: Tuple[Variant, ...] = DEFAULT_FLAG_SETS) -> List[Entry]:
     """The bf16 tl launch of each candidate block config, ``{head_dim: {"dq"|"dkdv": [(BLOCK_M, BLOCK_N,
-    num_warps, num_stages), ...]}}`` (the form of ``benchmarks.kernel.SWEEP``), under each flag set of ``variants``; named
-    kernel_d{D}_{flags}_m{M}n{N}w{W}s{S}. The other launch keeps its shipped config (it is not compiled)."""
+    num_warps, num_stages), ...]}}`` (the form of ``benchmarks.kernel.SWEEP``), under each flag set of
+    ``variants``; named kernel_d{D}_{flags}_m{M}n{N}w{W}s{S}. The other launch keeps its shipped config (it is
+    not compiled)."""
     entries = []
     for d, kinds in sorted(candidates.items()):
         for kind, cfgs in kinds.items():

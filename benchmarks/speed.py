@@ -17,7 +17,7 @@
    on, both launches tl), ``sdpa_gluon`` (the Gluon KV-major launch wherever its predicate allows, with the tl
    dQ-major one), ``sdpa_routed`` (the plan's routing), ``fa4`` (``flash_attn.cute.interface.flash_attn_func``,
    B·S·H·D) and ``fa4_patched``. A cell whose KV-major launch is not the variant's reads "n/a".
-   TFLOP/s (``common.tflops``): 7 products forward+backward, 5 the backward alone (GProj runs 8: its own rate
+   TFLOP/s (``common.tflops``): 7 products forward+backward, 5 the backward alone (GProj has 8: its own rate
    a product is 8/5 of that).
 3. Host µs per forward+backward call at 1·2·128·64 causal, unpatched / ``gproj`` / ``auto`` (``common.host_calls``).
 4. The 0.5B Llama-style training step (``common.step_times``): unpatched, ``gproj``, ``auto``.

@@ -1,10 +1,10 @@
 """Model side of ``python -m benchmarks.training``: the run's configuration, the Llama built from a config, the
 induced key offset, the loss under BF16 autocast.
 
-The key offset (why: see ``benchmarks/training/__main__.py``'s docstring): a frozen ``k_proj`` bias on the lowest-frequency
-RoPE pair of every KV head (coordinates D/2−1 and D−1 in HF's rotate-half layout), ‖b‖ = ``offset_rk`` times the
-layer's key spread RMS_j ‖k_j − mean key‖ measured at init on the first batch (pre-RoPE, averaged over sequences
-and KV heads), so R_k ≈ ``offset_rk`` at step 0.
+The key offset (why: see ``benchmarks/training/__main__.py``'s docstring): a frozen ``k_proj`` bias on the
+lowest-frequency RoPE pair of every KV head (coordinates D/2−1 and D−1 in HF's rotate-half layout),
+‖b‖ = ``offset_rk`` times the layer's key spread RMS_j ‖k_j − mean key‖ measured at init on the first batch
+(pre-RoPE, averaged over sequences and KV heads), so R_k ≈ ``offset_rk`` at step 0.
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
     bash benchmarks/external_gpu.sh stage1      # GPU machine: PyTorch's CUDA SDPA tests (carries expecttest)
     bash benchmarks/external_gpu.sh stage2      # right after: FA4's tests (installs the carried FA4 wheels)
-    python -m benchmarks.external torch --out DIR --deadline 420
-    python -m benchmarks.external fa4 --out DIR --deadline 420
-    python -m benchmarks.external torch --collect-only    # the selection only, no test runs
+    python -m benchmarks.external_suites torch --out DIR --deadline 420
+    python -m benchmarks.external_suites fa4 --out DIR --deadline 420
+    python -m benchmarks.external_suites torch --collect-only    # the selection only, no test runs
 
 ``torch``: PyTorch's ``test/test_transformers.py`` (tests/external/vendor/torch, see tests/external/PROVENANCE.md)
 on CUDA: ``TestSDPACudaOnly`` (its gradient tests ``test_flash_attention_vs_math_ref_grads`` and
