@@ -292,7 +292,7 @@ SWEEP_FP32 = {
 }
 #: KV-major Gluon builds timed against the tl launch: the non-retired m64s2 (ptxas serializes its wgmmas) and the
 #: retired-tiles builds whose wgmmas stay async, at D=64; the shipped D=128 build against deeper rings and the
-#: paired slot release (NOTES.md, "Gluon launches")
+#: paired slot release (NOTES.md, "The Gluon launches")
 GLUON_SWEEP = {64: (KernelConfig(64, 2), KernelConfig(64, 2, retire_tiles=True), KernelConfig(64, 3, retire_tiles=True),
                     KernelConfig(128, 3, retire_tiles=True)),
                128: (KernelConfig(64, 2, retire_tiles=True), KernelConfig(64, 3, retire_tiles=True),
