@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from benchmarks import common
 from tests.external import harness
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,8 +130,7 @@ def main(argv=None) -> int:
     if args.classes:
         classes = tuple(args.classes.split(","))
         selection["GPROJ_EXTERNAL_CLASSES"] = args.classes
-    out = Path(args.out or os.path.join(os.environ.get("OUT", ".out"), f"external_{args.suite}")).resolve()
-    out.mkdir(parents=True, exist_ok=True)  # resolved: the arms run pytest from their own work folder
+    out = Path(common.out_dir(f"external_{args.suite}", args.out)).resolve()  # the arms run from their own folder
     if not test_file.is_file():
         print(f"the vendored suite {test_file} is absent (tests/external/PROVENANCE.md)")
         return 2
