@@ -36,6 +36,13 @@
 set -u
 cd "$(dirname "$0")/.."
 stage=${1:-}
+case "$stage" in
+prepare | stage1 | stage2 | timing | records | speed) ;;
+*)
+    echo "usage: $0 stage1|stage2|prepare|timing|records|speed"
+    exit 2
+    ;;
+esac
 OUT=${OUT:-external_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -124,9 +131,5 @@ records)
     timeout 420 python3 -m benchmarks.reach --check fa4 --out "$OUT" ${RECORDS_ARGS:-} 2>&1 \
         | tee "$OUT/reach_console.log"
     exit "${PIPESTATUS[0]}"
-    ;;
-*)
-    echo "usage: $0 stage1|stage2|prepare|timing|records|speed"
-    exit 2
     ;;
 esac
