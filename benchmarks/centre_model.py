@@ -11,17 +11,15 @@ and prints each one's relative dq error against the fp64 reference on the unmask
 (``tests/helpers/adversarial.py``, drawn on the CPU). No kernel runs; the H200 numbers of the kernel's argmax
 centre are in BENCHMARKS.md.
 
-    python benchmarks/centre_model.py [--json] [CASE ...]     (--json: {case: {centre: error}} instead of the table)
+    python -m benchmarks.centre_model [--json] [CASE ...]     (--json: {case: {centre: error}} instead of the table)
 """
+import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
-from tests.helpers import adversarial  # noqa: E402
+from gproj_patch.backends.reference import reference_backward, reference_forward
+from tests.helpers import adversarial
 
 CASES = ["random", "offset8", "offset32", "offset128", "offset512", "sink", "sink64", "massive_sink", "sharp_p1",
          "gqa", "d96", "d256", "strided"]
@@ -55,15 +53,20 @@ def dq_errors(name: str) -> dict:
     return {c: float((alpha * dq[c] - ref).norm() / ref.norm()) for c in CENTRES}
 
 
-def main(names):
-    if names[:1] == ["--json"]:
-        print(json.dumps({name: dq_errors(name) for name in names[1:] or CASES}))
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("cases", nargs="*", metavar="CASE", help=f"cases (default all: {', '.join(CASES)})")
+    ap.add_argument("--json", action="store_true", help="{case: {centre: error}} instead of the table")
+    args = ap.parse_args(argv)
+    names = args.cases or CASES
+    if args.json:
+        print(json.dumps({name: dq_errors(name) for name in names}))
         return
     print(f"{'case':14s}" + "".join(f"{c:>10s}" for c in CENTRES))
-    for name in names or CASES:
+    for name in names:
         errs = dq_errors(name)
         print(f"{name:14s}" + "".join(f"{100 * errs[c]:9.3f}%" for c in CENTRES))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -1,37 +1,48 @@
 #!/usr/bin/env bash
-# GPU runs of test suites nobody here wrote, gproj_patch off and on (issue 8). Two device calls, one right
-# after the other (the machine stays warm about 30 s between calls; stage 2 needs what stage 1 left in /tmp):
+# What needs FA4 (or PyTorch's testing helpers) on the GPU machine, which has no network: this script carries
+# the wheels in and installs them, then runs the entry point. FA4 travels as wheels split over two device calls
+# made one right after the other (the machine stays warm about 30 s between calls; the second needs what the first
+# left in /tmp):
 #
 #   stage1  carry: .whl/ext1 tests/external/vendor
 #           keeps FA4's first half (.whl/ext1: half of the ~92 MB nvidia-cutlass-dsl-libs-cu13 wheel, split with
-#           `split -n 2`, and two small wheels) in /tmp for stage 2, installs expecttest (PyTorch's testing helpers
-#           import it), then runs PyTorch's CUDA SDPA tests (benchmarks/external_gpu.py torch, ~600 selected).
+#           `split -n 2`, and two small wheels) in /tmp for the next call, installs expecttest (PyTorch's testing
+#           helpers import it), then runs PyTorch's CUDA SDPA tests (`python -m benchmarks.external_suites torch`).
 #   stage2  carry: .whl/ext2 tests/external/vendor
 #           joins the wheel (sha256 checked), installs flash-attn-4 and its libraries with
 #           `pip --no-index --no-deps --target /tmp/site`, then runs flash-attention's FA4 tests
-#           (benchmarks/external_gpu.py fa4).
+#           (`python -m benchmarks.external_suites fa4`).
 #   prepare carry: .whl/ext1 — only keeps FA4's first half in /tmp (stage1 without the suite; the call can go on
 #           with other work, e.g. GPU tests, while the machine stays warm for the next stage)
 #   timing  carry: .whl/ext2 (right after stage1 or prepare, as stage2)
-#           installs flash-attn-4 the same way, then runs benchmarks/run_device.sh with it importable, so that
-#           device_check.py times FA4's backward next to GProj, cuDNN and flash (RUN_DEVICE_ENV: its options).
+#           installs flash-attn-4 the same way, then runs `python -m benchmarks.kernel` with it importable, so that
+#           FA4's backward is timed next to GProj, cuDNN and flash. KERNEL_ARGS: more options of benchmarks.kernel.
 #   records carry: .whl/ext2 (right after stage1 or prepare, as stage2)
-#           installs flash-attn-4 the same way, then runs benchmarks/fa4_records_check.py (issue 19 item 2: two
-#           real FA4 layers in `auto`, one at a 300σ key offset: two forward records, only the sick layer
-#           corrected, no "no forward record" line); its table in $OUT/fa4_records.log, fa4_records.json beside.
+#           installs flash-attn-4 the same way, then runs `python -m benchmarks.reach --check fa4`: two real FA4
+#           layers in `auto`, one at a 300σ key offset: two forward records, only the sick layer corrected, no
+#           "no forward record" line. reach.json and reach.log in $OUT. RECORDS_ARGS: more options of
+#           benchmarks.reach (e.g. --seqlen 4096).
 #   speed   carry: .whl/ext2 (right after stage1 or prepare, as stage2)
-#           installs flash-attn-4 the same way, then runs benchmarks/speed_run.py (issue 21 item 4: the fp64 gate
-#           at 128σ of every variant, then fwd+bwd of cuDNN, patched SDPA tl/Gluon/routed, FA4 and patched FA4 at
-#           the five issue shapes, host µs a call, the 0.5B step at 4K/16K; ~5 min after the install). Its table
-#           last in $OUT/speed.log; speed_run.json and speed_run.log beside. SPEED_ARGS: more options of
-#           speed_run.py (e.g. --skip-steps, --shapes 1,2, --deadline 240; default 330 s, steps given the last 75).
+#           installs flash-attn-4 the same way, then runs `python -m benchmarks.speed`: the fp64 gate at 128σ of
+#           every variant, then fwd+bwd of cuDNN, patched SDPA tl/Gluon/routed, FA4 and patched FA4 at the five
+#           shapes, host µs a call, the 0.5B step at 4K/16K (~5 min after the install). speed.json and speed.log in
+#           $OUT, the console (table last) in $OUT/speed_console.log. SPEED_ARGS: more options of benchmarks.speed
+#           (e.g. --skip-steps, --shapes 1,2, --deadline 240; default 330 s, steps given the last 75).
 #
-# Run from the repository root: `bash benchmarks/external_gpu.sh stage1` (then `stage2`). Results in $OUT:
+# Run from the repository root: `bash benchmarks/external_gpu.sh stage1` (then `stage2`). Suite results in $OUT:
 # <suite>.log (everything, the diff of outcomes last), <suite>_summary.txt, <suite>_outcomes.json and
-# <suite>_work.tgz (each arm's JUnit report, log, selection and gproj_patch.stats()).
+# <suite>_work.tgz (each arm's JUnit report, log, selection and gproj_patch.stats()), bundled so that few files
+# come back.
 set -u
 cd "$(dirname "$0")/.."
 stage=${1:-}
+case "$stage" in
+prepare | stage1 | stage2 | timing | records | speed) ;;
+*)
+    echo "usage: $0 stage1|stage2|prepare|timing|records|speed"
+    exit 2
+    ;;
+esac
 OUT=${OUT:-external_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -48,12 +59,12 @@ install() {  # wheels -> $SITE (no network there; --target skips .pth files, PYT
 
 run_suite() {  # $1 = torch | fa4
     local suite=$1 t0=$SECONDS rc
-    echo "=== $suite: benchmarks/external_gpu.py $suite --deadline $DEADLINE"
-    # shellcheck disable=SC2086  # EXTERNAL_ARGS: more options of external_gpu.py, e.g. --leak-check
-    timeout $((DEADLINE + 60)) python3 benchmarks/external_gpu.py "$suite" --out "$OUT/$suite" \
+    echo "=== $suite: python3 -m benchmarks.external_suites $suite --deadline $DEADLINE"
+    # shellcheck disable=SC2086  # EXTERNAL_ARGS: more options of benchmarks.external_suites, e.g. --leak-check
+    timeout $((DEADLINE + 60)) python3 -m benchmarks.external_suites "$suite" --out "$OUT/$suite" \
         --deadline "$DEADLINE" ${EXTERNAL_ARGS:-} 2>&1 | tee "$OUT/$suite.log"
     rc=${PIPESTATUS[0]}
-    # $OUT brings back at most 8 files, 2 folders deep: bundle the per-arm files
+    # few files come back from the device: bundle the per-arm ones
     [ -f "$OUT/$suite/summary.txt" ] && mv "$OUT/$suite/summary.txt" "$OUT/${suite}_summary.txt"
     [ -f "$OUT/$suite/outcomes.json" ] && mv "$OUT/$suite/outcomes.json" "$OUT/${suite}_outcomes.json"
     [ -d "$OUT/$suite/work" ] && tar czf "$OUT/${suite}_work.tgz" -C "$OUT/$suite" work
@@ -104,22 +115,21 @@ stage2)
     ;;
 timing)
     install_fa4 || exit 3
-    bash benchmarks/run_device.sh
+    # shellcheck disable=SC2086  # KERNEL_ARGS: more options of benchmarks.kernel, e.g. --skip-suite
+    timeout 420 python3 -m benchmarks.kernel --out "$OUT" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernel_console.log"
+    exit "${PIPESTATUS[0]}"
     ;;
 speed)
     install_fa4 || exit 3
-    # shellcheck disable=SC2086  # SPEED_ARGS: more options of speed_run.py
-    timeout 420 python3 benchmarks/speed_run.py --out "$OUT" ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed.log"
+    # shellcheck disable=SC2086  # SPEED_ARGS: more options of benchmarks.speed
+    timeout 420 python3 -m benchmarks.speed --out "$OUT" ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed_console.log"
     exit "${PIPESTATUS[0]}"
     ;;
 records)
     install_fa4 || exit 3
-    # shellcheck disable=SC2086  # RECORDS_ARGS: more options of fa4_records_check.py, e.g. --seqlen 4096
-    timeout 420 python3 benchmarks/fa4_records_check.py --out "$OUT" ${RECORDS_ARGS:-} 2>&1 | tee "$OUT/fa4_records.log"
+    # shellcheck disable=SC2086  # RECORDS_ARGS: more options of benchmarks.reach, e.g. --seqlen 4096
+    timeout 420 python3 -m benchmarks.reach --check fa4 --out "$OUT" ${RECORDS_ARGS:-} 2>&1 \
+        | tee "$OUT/reach_console.log"
     exit "${PIPESTATUS[0]}"
-    ;;
-*)
-    echo "usage: $0 stage1|stage2|prepare|timing|records|speed"
-    exit 2
     ;;
 esac

@@ -34,7 +34,7 @@ def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("tl_build") / "rows.json"
     only = "tl" if gluon_bwd.UNAVAILABLE_REASON is not None else "tl,gluon"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ptx_snapshot.py"), "--only", only, "--wgmma",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.ptx", "--only", only, "--wgmma",
                           "--flags", "default", "--dims", ",".join(map(str, HEAD_DIMS)), "--json", str(out)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

@@ -3,20 +3,21 @@
 every unmasked family of the GPU suite (massive sink key included), a mean-key centre does not, and the argmax
 centre is exact where the exact one is on P == 1 rows."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers.paths import REPO
+
 TARGET = 5e-3
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "centre_model.py")
 
 
 @pytest.fixture(scope="module")
 def errors():
     """{case: {centre: relative dq error}}: the script's --json output (run as a command, as scripts are)."""
-    out = subprocess.run([sys.executable, _PATH, "--json"], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.centre_model", "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, check=True)
     return json.loads(out.stdout)
 
 
