@@ -182,12 +182,18 @@ def _nested_reason(b: Dict[str, Any]) -> Optional[str]:
 # ------------------------------------------------------------------------------------------------------------
 # The ops
 
-def _like(t: Tensor) -> Tensor:
-    return torch.empty_like(t)
+def _like(t: Tensor) -> Tuple[int, ...]:
+    """The strides ``torch.empty_like(t)`` gives (t's own for a contiguous tensor, the common case, without
+    allocating)."""
+    if t.is_contiguous():
+        return t.stride()
+    return torch.empty_like(t).stride()
 
 
-def _bshd_like(t: Tensor) -> Tensor:
-    return torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device)
+def _bshd_like(t: Tensor) -> Tuple[int, ...]:
+    """The strides of ``torch.empty_permuted(t.shape, (0, 2, 1, 3))``: (B, S, H, D) order in memory."""
+    B, H, S, D = t.shape
+    return (S * H * D, D, H * D, 1)
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,7 @@ class SeamOp:
     keys: Tuple[str, ...]
     read: Callable[[Dict[str, Any]], SeamCall]
     reason: Callable[[Dict[str, Any]], Optional[str]] = lambda b: None
-    alloc: Callable[[Tensor], Tensor] = _like   # the meta kernel's gradient of an input, from that input
+    alloc: Callable[[Tensor], Tuple[int, ...]] = _like  # the strides of the meta kernel's gradient of an input
     extra: Callable[[Dict[str, Any]], tuple] = lambda b: ()  # outputs after (dq, dk, dv)
     cudnn: bool = False
 
@@ -235,11 +241,20 @@ SEAM_OPS: Tuple[SeamOp, ...] = (
 )
 
 
+@functools.lru_cache(maxsize=32)  # bounded: one entry per op overload the seam takes
+def _schema(op) -> Tuple[Tuple[str, ...], Dict[str, Any]]:
+    """(argument names, defaults) of an op's schema, read once (host time: every backward binds its call)."""
+    arguments = op._schema.arguments
+    return tuple(a.name for a in arguments), {a.name: a.default_value for a in arguments if a.has_default_value()}
+
+
 def bind(op, args: tuple, kwargs: dict) -> Dict[str, Any]:
     """The call's arguments by schema name, defaults filled in."""
-    bound = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
-    bound.update(zip((a.name for a in op._schema.arguments), args))
-    bound.update(kwargs)
+    names, defaults = _schema(op)
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    if kwargs:
+        bound.update(kwargs)
     return bound
 
 
@@ -256,9 +271,9 @@ def _restore(spec: SeamOp, b: Dict[str, Any], call: SeamCall, grads) -> tuple:
     out = []
     for g, like in zip(grads[:3], (b["query"], b["key"], b["value"])):
         g = back(g)
-        want = spec.alloc(like)
-        if g.stride() != want.stride() or g.dtype != like.dtype:
-            g = want.copy_(g)
+        strides = spec.alloc(like)
+        if g.stride() != strides or g.dtype != like.dtype:
+            g = torch.empty_strided(like.shape, strides, dtype=like.dtype, device=like.device).copy_(g)
         out.append(g)
     return tuple(out) + spec.extra(b)
 
@@ -347,8 +362,13 @@ def corrected(spec: SeamOp, b: Dict[str, Any], original: Callable[[], tuple], cf
     record = make_plan(CallRecord(_problem(call), context),
                        ForwardTensors(call.q, call.k, call.v, call.out, call.lse), has_original=has_original)
     to_shared = TO_SHARED[call.layout]
-    grads = _run(record, call, lambda: tuple(to_shared(g) for g in original()[:3]))
-    return _restore(spec, b, call, grads)
+    ran = []
+
+    def pytorchs():
+        ran.append(original())
+        return tuple(to_shared(g) for g in ran[0][:3])
+    grads = _run(record, call, pytorchs)
+    return ran[0] if ran else _restore(spec, b, call, grads)  # PyTorch's own outputs as they are
 
 
 def _run(record: CallRecord, call: SeamCall, original: Callable[[], tuple]) -> tuple:
@@ -436,7 +456,9 @@ def _backward(spec: SeamOp, op, keyset, args: tuple, kwargs: dict):
             return compat.redispatch_native(op, keyset, args, kwargs)
         finally:
             _PASSING.depth -= 1
-    tensors = [a for a in args if isinstance(a, Tensor)] + [a for a in kwargs.values() if isinstance(a, Tensor)]
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if kwargs:
+        tensors += [a for a in kwargs.values() if isinstance(a, Tensor)]
     if any(type(t) not in _PLAIN and compat.dispatches_itself(type(t)) for t in tensors):
         if any(_is_tracing(t) for t in tensors):
             return compat.redispatch_native(op, keyset, args, kwargs)

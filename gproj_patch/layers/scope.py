@@ -83,7 +83,7 @@ def layer_scope(name: str):
 def backward_layer(node) -> Optional[str]:
     """The layer name of the attention backward running for autograd ``node`` (the SDPA seam's): the named scope
     its forward ran in, else None."""
-    if node is None:
+    if node is None or not (STATE.spans.by_thread or STATE.spans.open):  # nothing named: no lookup
         return None
     from ..backends.compat import node_sequence_nr
     return STATE.spans.find(node_sequence_nr(node), threading.get_ident())
