@@ -187,6 +187,10 @@ def _kernel_plan(t: ForwardTensors, problem: Problem, record: CallRecord, fp32: 
         return KernelPlan(kv_major="tl", kv_major_reason=why, dq_major="tl", dq_major_reason=why)
     kv_major, kv_why = kv_major_choice(t, problem, record.context.kv_major)
     dq_major, dq_why = dq_major_choice(t, problem, record.context.dq_major)
+    if dq_major == "gluon" and record.context.in_graph:
+        # the Gluon dQ launch keeps its one-hot columns' tensor for the shape class: made inside a compiled
+        # graph's CUDA-graph warm-up it would live in the graph's pool untracked, which cudagraph trees refuse
+        dq_major, dq_why = "tl", "in a compiled graph (the Gluon dQ launch caches a tensor a CUDA-graph pool refuses)"
     return KernelPlan(kv_major=kv_major, kv_major_reason=kv_why, dq_major=dq_major, dq_major_reason=dq_why)
 
 

@@ -70,6 +70,9 @@ class Context:
     kv_major: str = "auto"  # the kernel tier's KV-major launch option (config.KV_MAJOR_OPTIONS)
     dq_major: str = "auto"  # the kernel tier's dQ-major launch option (config.DQ_MAJOR_OPTIONS)
     cpu_kernel: bool = False  # CPU tensors may run the kernel through Triton's interpreter (config.Config)
+    # the backward runs inside a compiled graph, which CUDA-graph trees may warm up and capture: nothing the
+    # backward allocates may outlive it (no launch that caches a tensor, no counter made there)
+    in_graph: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,7 +83,7 @@ class CallRecord:
 
 
 def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config.Config] = None, *,
-                 at_backward: bool = False) -> Context:
+                 at_backward: bool = False, in_graph: bool = False) -> Context:
     """The context of a call: the active configuration (else ``cfg``, else the environment's), and its layer.
 
     At a forward (every hook but the SDPA seam): the open ``layer_scope``'s name, else ``layer``, else the step's
@@ -94,4 +97,4 @@ def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config
         name = current_layer() or layer or layer_id()
     return Context(mode=cfg.mode, tier_option=cfg.tier, layer=name, source=source,
                    policy=effective_config(cfg.policy), kv_major=cfg.kv_major, dq_major=cfg.dq_major,
-                   cpu_kernel=cfg.cpu_kernel)
+                   cpu_kernel=cfg.cpu_kernel, in_graph=in_graph)

@@ -42,6 +42,7 @@ class BackwardTensors:
     o: Optional[torch.Tensor]
     lse: Optional[torch.Tensor]       # the forward's natural-log LSE, any layout normalize_lse reads
     dead_rows: Optional[torch.Tensor] = None  # (B, Sq) bool: rows with zero dO outside the flags (LSE := +inf)
+    partial_rows: Optional[torch.Tensor] = None  # the device's counter of shard rows (set by run_backward)
 
 
 def graph_backward(kept, do: torch.Tensor) -> Optional[Callable[[], Grads]]:
@@ -68,7 +69,7 @@ def _run_kernel(t: BackwardTensors, problem: Problem, kernel: KernelPlan) -> Gra
                     softcap=float(problem.softcap))
     return launch_planned(do, t.q, t.k, t.v, t.o, _kernel_lse(t.lse, t.dead_rows), scale=problem.scale, mask=mask,
                           varlen=_varlen(problem), kernels=(kernel.dq_major, kernel.kv_major),
-                          sink=problem.sink, partial_rows=telemetry.partial_rows_counter(t.q.device))
+                          sink=problem.sink, partial_rows=t.partial_rows)
 
 
 def _tma_do(do: torch.Tensor) -> torch.Tensor:
@@ -91,8 +92,8 @@ def _run_fp32(t: BackwardTensors, problem: Problem, fp32_kernel: Optional[Kernel
     """The FP32 tier as planned: the kernel on fp32 copies (no S×S scores, fp32-level products), or attention
     recomputed in chunked FP32 GEMMs (``backends.fp32_tier``)."""
     if fp32_kernel is not None:
-        return _run_kernel(BackwardTensors(*(x.float() for x in (t.do, t.q, t.k, t.v, t.o)), t.lse, t.dead_rows),
-                           problem, fp32_kernel)
+        return _run_kernel(BackwardTensors(*(x.float() for x in (t.do, t.q, t.k, t.v, t.o)), t.lse, t.dead_rows,
+                                           t.partial_rows), problem, fp32_kernel)
     from ..backends.fp32_tier import fp32_backward
     extra = {}
     if problem.sink is not None:
@@ -101,7 +102,7 @@ def _run_fp32(t: BackwardTensors, problem: Problem, fp32_kernel: Optional[Kernel
         # the forward's own statistics: P relative to its LSE, D from its output — what the fused backward it
         # replaces uses — so a call over a shard of a row's keys (a ring's per-shard call with the merged LSE)
         # gets the gradient of its part, its rows left unprojected and counted
-        extra.update(lse=t.lse, out=t.o, partial_rows=telemetry.partial_rows_counter(t.q.device))
+        extra.update(lse=t.lse, out=t.o, partial_rows=t.partial_rows)
     if problem.dropout_mask is not None:
         extra["dropout_mask"] = problem.dropout_mask
     return fp32_backward(t.q, t.k, t.v, t.do, attn_mask=problem.attn_mask, dropout_p=problem.dropout_p,
@@ -132,7 +133,11 @@ def run_backward(record: CallRecord, t: BackwardTensors, original: Optional[Call
     backward_ran()
     lse = t.lse
     if lse is not None and not (lse.dtype == torch.float32 and lse.shape == t.q.shape[:3]):  # else already so
-        t = BackwardTensors(t.do, t.q, t.k, t.v, t.o, normalize_lse(lse, *t.q.shape[:3]), t.dead_rows)
+        lse = normalize_lse(lse, *t.q.shape[:3])
+    # rows found to be shards of a row are counted on the device — except inside a compiled graph: a counter
+    # made during its CUDA-graph warm-up would live in the graph's pool (those rows' guard applies all the same)
+    counter = None if record.context.in_graph else telemetry.partial_rows_counter(t.q.device)
+    t = BackwardTensors(t.do, t.q, t.k, t.v, t.o, lse, t.dead_rows, counter)
     tier, reason = plan.tier, plan.reason
     if tier == "original":
         reason = stand_in_reason or reason

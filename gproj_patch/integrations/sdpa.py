@@ -314,10 +314,26 @@ def _mask_problem(call: SeamCall) -> Tuple[Optional[Tensor], bool, str, Tuple[in
     if call.mask is None:
         return None, call.causal, call.align, call.window
     mask = call.mask
-    if mask.dtype != torch.bool and bool(((mask == 0) | (mask == float("-inf"))).all()):
-        mask = mask == 0
-    mask, causal, align, window = mask_as_flags(mask, call.q.shape[2], call.k.shape[2])
-    return mask, causal, align, window
+    sq, sk = call.q.shape[2], call.k.shape[2]
+    if mask.dtype == torch.bool:
+        return mask_as_flags(mask, sq, sk)
+    # an additive bias that is a boolean mask: 0 where visible; where hidden -inf (SDPA's conversion for its flash,
+    # efficient and CPU ops), -65504 (its conversion for the cuDNN op, which took no -inf) or lower (code that
+    # builds its mask with the dtype's lowest value). exp of such a logit is 0 in fp32 next to any visible score,
+    # so it is taken as a boolean mask where that is exact: a -inf bias always; a finite one only as causal /
+    # window flags, whose rows all see a key (a row a finite bias hides entirely gets uniform weights, not none)
+    hidden = mask <= CUDNN_MASK_VALUE
+    if not bool(((mask == 0) | hidden).all()):
+        return mask, False, "top_left", (-1, -1)
+    flags = mask_as_flags(~hidden, sq, sk)
+    if flags[0] is None or bool((mask == float("-inf")).eq(hidden).all()):
+        return flags
+    return mask, False, "top_left", (-1, -1)
+
+
+#: the additive value SDPA's conversion of a boolean mask gives hidden positions for the cuDNN op (torch 2.11:
+#: ``convert_boolean_attn_mask_cudnn``; the other ops get -inf)
+CUDNN_MASK_VALUE = -65504.0
 
 
 def _problem(call: SeamCall) -> Problem:
@@ -358,7 +374,7 @@ def corrected(spec: SeamOp, b: Dict[str, Any], original: Callable[[], tuple], cf
         return original()
     STATE.backward_pass(compat.graph_task_id(), _enclosing_seq)
     layer = backward_layer(node) or STATE.next_backward_call_name()
-    context = make_context(source, layer, cfg, at_backward=True)
+    context = make_context(source, layer, cfg, at_backward=True, in_graph=compat.is_compiled_graph_node(node))
     record = make_plan(CallRecord(_problem(call), context),
                        ForwardTensors(call.q, call.k, call.v, call.out, call.lse), has_original=has_original)
     to_shared = TO_SHARED[call.layout]

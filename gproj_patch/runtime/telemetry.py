@@ -111,11 +111,15 @@ PARTIAL_ROWS_REASON = ("rows whose keys here are a shard of the row (their proba
 
 def partial_rows_counter(device):
     """The device's counter of rows the backends found to be shards of a row (an int32 tensor of one element,
-    added to on the device: no sync at the backward; read by ``stats()``)."""
+    added to on the device: no sync at the backward; read by ``stats()``), or None while a CUDA graph is being
+    captured: a tensor the capture did not make an output would live in its pool untracked (cudagraph trees
+    refuse that), so captured backwards are not counted (their guard applies all the same)."""
+    import torch
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
     key = str(device)
     counter = STATE.partial_rows.get(key)
     if counter is None:
-        import torch
         with STATE.lock:
             counter = STATE.partial_rows.get(key)
             if counter is None:

@@ -90,13 +90,13 @@ def fused_step_backward() -> Callable:
     found = {}
 
     def forward(q, k, v, causal):
-        choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=q.shape[1] != k.shape[1])
-        if choice == SDPBackend.CUDNN_ATTENTION:
+        choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=q.shape[1] != k.shape[1]))
+        if choice == int(SDPBackend.CUDNN_ATTENTION):
             res = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)
             return "cudnn", res
-        if choice == SDPBackend.FLASH_ATTENTION:
+        if choice == int(SDPBackend.FLASH_ATTENTION):
             return "flash", aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        if choice == SDPBackend.EFFICIENT_ATTENTION:
+        if choice == int(SDPBackend.EFFICIENT_ATTENTION):
             return "efficient", aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
         raise RuntimeError(f"no fused SDPA op for this step (SDPA chose {choice})")
 

@@ -163,6 +163,13 @@ def test_problem_shared_per_flags_and_fresh_with_a_mask():
     assert b is not a and (b.scale, b.causal) == (0.5, False)
     bias = torch.zeros(8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
     assert seam._problem(call(mask=bias)) is a  # SDPA's bias of an exact causal mask becomes the flags
+    cudnn_bias = torch.zeros(8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), -65504.0).bfloat16()
+    assert seam._problem(call(mask=cudnn_bias)) is a  # the cuDNN op's conversion (-65504 where hidden) too
+    band = torch.ones(8, 8, dtype=torch.bool).tril() & ~torch.ones(8, 8, dtype=torch.bool).tril(-3)
+    band[5] = False  # a row that sees no key: under a finite bias it attends uniformly, not a boolean mask
+    finite = torch.zeros(8, 8).masked_fill(~band, -65504.0)
+    kept = seam._problem(call(mask=finite))
+    assert kept.attn_mask is finite and not kept.padded  # stays an additive bias (the FP32 tier adds it)
     mask = torch.rand(8, 8) > 0.5
     m = seam._problem(call(mask=mask))
     assert m.attn_mask is mask and m.padded and seam._problem(call(mask=mask)) is not m

@@ -16,7 +16,7 @@ __all__ = ['SDPA_FLASH_BACKWARD', 'SDPA_EFFICIENT_BACKWARD', 'SDPA_CUDNN_BACKWAR
            'assume_constant_result', 'FLEX_SLICED_MASK_MOD', 'flex_identity_score_mod', 'FUSED_SDPA_NODES',
            'fused_sdpa_node', 'fused_sdpa_lse', 'op_overload', 'autograd_library', 'register_autograd_kernel',
            'destroy_library', 'redispatch_native', 'redispatch_reentrant', 'dispatches_itself', 'dispatch_mode_active',
-           'current_autograd_node', 'autograd_sequence_nr', 'node_sequence_nr', 'AUTOGRAD_THREAD_PREFIX', 'autograd_device_threads_started', 'enclosing_backward_node',
+           'current_autograd_node', 'is_compiled_graph_node', 'autograd_sequence_nr', 'node_sequence_nr', 'AUTOGRAD_THREAD_PREFIX', 'autograd_device_threads_started', 'enclosing_backward_node',
            'FUSED_NODE_FORMULAS',
            'fused_node_backward', 'functorch_transform_active', 'forward_ad_active', 'saved_tensors_hooks_enabled',
            'saved_tensors_default_hooks_active', 'graph_task_id', 'delayed_error', 'CUDAGRAPH_UNSAFE_TAGS',
@@ -164,6 +164,13 @@ def current_autograd_node() -> Optional[Any]:
     """The autograd node whose backward is running on this thread (``torch._C._current_autograd_node``), or
     None outside one (a backward op called directly)."""
     return torch._C._current_autograd_node()
+
+
+def is_compiled_graph_node(node) -> bool:
+    """True when ``node`` is the backward of a ``torch.compile``d graph (AOTAutograd's
+    ``CompiledFunctionBackward``): its aten ops run inside the compiled backward, which CUDA-graph trees may
+    warm up and capture. Checked: torch 2.11, 2.13."""
+    return node is not None and type(node).__name__ == "CompiledFunctionBackward"
 
 
 def autograd_sequence_nr() -> int:
