@@ -204,6 +204,49 @@ def test_no_host_function_with_a_dozen_loose_arguments():
     assert not bad, bad
 
 
+#: the backward tiers: one definition (``runtime/config.py`` ``TIERS``, in the policy's rank order) that every
+#: layer imports, so no two modules can disagree on the names or their order
+TIERS_HOME = PKG / "runtime" / "config.py"
+TIER_NAMES = {"original", "gproj", "fp32"}
+
+
+def _tier_literals(source: str) -> list:
+    """Lines of each tuple, list or set literal (or dict literal's keys) in ``source`` made of exactly the three
+    tier names, in any order."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else \
+            node.keys if isinstance(node, ast.Dict) else None
+        if items and len(items) == len(TIER_NAMES) and all(isinstance(e, ast.Constant) for e in items) and \
+                {e.value for e in items} == TIER_NAMES:
+            found.append(node.lineno)
+    return found
+
+
+def test_the_tiers_are_spelled_out_once():
+    """The tuple of tier names appears in exactly one place of the package, ``runtime/config.py`` (which imports
+    nothing of the package, so every layer may import it); everyone else uses ``config.TIERS``."""
+    found = [f"{path.relative_to(REPO)}:{line}" for _, path in KNOWN.items()
+             for line in _tier_literals(path.read_text())]
+    assert len(found) == 1 and found[0].startswith(f"{TIERS_HOME.relative_to(REPO)}:"), \
+        f"the tier names spelled out {len(found)} times (import TIERS from runtime/config.py instead): {found}"
+
+
+def test_the_tiers_rule_sees_every_spelling():
+    """The scan above flags the tier names as any literal container in any order, and nothing else."""
+    sources = {
+        'TIERS = ("original", "gproj", "fp32")': 1,
+        'for t in ["fp32", "original", "gproj"]:\n    pass': 1,
+        'ok = tier in {"gproj", "original", "fp32"}': 1,
+        'RANK = {"original": 0, "gproj": 1, "fp32": 2}': 1,
+        'MODES = ("gproj", "fp32", "off", "auto", "audit")': 0,
+        'PAIR = ("gproj", "fp32")': 0,
+        '"""Backward calls per tier ("gproj", "fp32", "original")."""': 0,
+    }
+    for source, expected in sources.items():
+        assert len(_tier_literals(source)) == expected, source
+
+
 # ---- tests load no benchmark script ----------------------------------------------------------------------------
 BENCHMARKS = REPO / "benchmarks"
 #: calls that import or run a file or put a folder on the import path (matched on the call's last name) ...

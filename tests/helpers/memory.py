@@ -8,6 +8,7 @@ import gc
 import torch
 
 import gproj_patch
+from gproj_patch.runtime.config import TIERS
 
 #: forward+backward calls per flat-memory check
 CALLS = 6
@@ -48,5 +49,5 @@ def assert_tier_ran(tier: str, calls: int = 1) -> dict:
     "fp32" or "original") and none on the other two. Returns the stats."""
     stats = gproj_patch.stats()
     assert stats[tier] >= calls, (tier, calls, stats)
-    assert all(stats[t] == 0 for t in ("gproj", "fp32", "original") if t != tier), (tier, stats)
+    assert all(stats[t] == 0 for t in TIERS if t != tier), (tier, stats)
     return stats
