@@ -1,6 +1,6 @@
 """Memory and tier checks shared by the tests that run many forward+backward calls.
 
-``flat`` is issue 8.1's check (nothing of a call outlives its backward); ``tier_ran`` says which backward those
+``flat`` checks that nothing of a call outlives its backward; ``tier_ran`` says which backward those
 calls got, so that a flat-memory or bit-for-bit result cannot come from a path that silently skipped the
 correction."""
 import gc
