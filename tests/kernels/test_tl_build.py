@@ -7,8 +7,8 @@ causal; corrected, fused dk form), that every ``tl.dot`` lowered to wgmma (``HGM
 ptxas kept them async, read twice, independently: the SASS (``WARPGROUP.DEPBAR`` per ``HGMMA``) and ptxas' own log
 re-run on the PTX. A Triton or ptxas update that changes either fails here. The kernels are compiled by
 ``python -m benchmarks.ptx --wgmma`` (the launches' own arguments, Triton's binder), run as a subprocess; the Gluon
-KV-major kernel's shipped configs go through the same readers as a control (its D=64 default is serialized today: the
-two readings must agree there too).
+KV-major kernel's shipped configs go through the same readers as a control (neither of its shipped builds is serialized,
+``test_kv_major.py``: the two readings must agree there too).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_tl_dots_lower_to_wgmma(rows):
 
 def test_sass_and_ptxas_agree_on_serialization(rows):
     """The SASS reading (a DEPBAR per HGMMA) and ptxas' own C75xx "serialized" line agree on every kernel,
-    tl and Gluon (which has a serialized build among its shipped ones today)."""
+    tl and Gluon."""
     for r in rows:
         assert r["serialized"] == r["ptxas_serialized"], r
 
