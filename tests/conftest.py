@@ -8,7 +8,7 @@ from gproj_patch.audit.run import torch_threads
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One torch thread for the module: small tile products run 2-3x faster so on a shared 2-core machine."""
+    """One torch thread for the module: small tile products are 2-3x faster so on a shared 2-core machine."""
     with torch_threads(1):
         yield
 

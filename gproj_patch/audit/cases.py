@@ -1,4 +1,4 @@
-"""The named synthetic suite of attention-gradient cases (issue 2), shared by the audit, tests and benchmarks.
+"""The named synthetic suite of attention-gradient cases, shared by the audit, tests and benchmarks.
 
 API::
 

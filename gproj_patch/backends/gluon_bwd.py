@@ -3,7 +3,7 @@
 The GProj backward is two launches (``triton_bwd``): a dQ-major one (dq, λ and the per-row scratch) and a
 KV-major one (dk, dv). On an sm_90 GPU the KV-major launch can be the warp-specialized Gluon kernel of
 ``gluon_kernels.py`` (a TMA producer warp and two consumer warpgroups; the portable ``tl`` kernel reaches about
-half of the tensor pipe there, BENCHMARKS.md run 19); the dQ-major launch stays the ``tl`` kernel. Same
+half of the tensor pipe there); the dQ-major launch stays the ``tl`` kernel. Same
 numerics contract: dv = Σ low(P)ᵀ dO, dk = α·Σ low(P∘(dP − D − λ))ᵀ Q (the fused form), fp32 accumulation,
 no atomics, bitwise deterministic.
 
@@ -54,16 +54,16 @@ if UNAVAILABLE_REASON is None:
 #: head dims the kernel is instantiated for
 GLUON_HEAD_DIMS = (64, 128)
 #: head dims where it is the default (``plan.kv_major_choice``): faster than the tl KV-major kernel on the
-#: H200 at every shape timed with ``CONFIGS`` (BENCHMARKS.md run 23: D=128 ×0.82–0.91 of the tl launch; run 40:
-#: D=64 with 128-row retired tiles ×0.894 causal, ×0.876 full — its 64-row build without them was ×1.16–1.18)
+#: H200 at every shape timed with ``CONFIGS`` (D=128 ×0.82–0.91 of the tl launch; D=64 with 128-row retired
+#: tiles ×0.894 causal, ×0.876 full — its 64-row build without them was ×1.16–1.18)
 FASTER_HEAD_DIMS = (64, 128)
 #: the one compute capability the kernel is written for (TMA, wgmma, setmaxnreg: sm_90a)
 GLUON_CAPABILITY = (9, 0)
 #: TMA: base address and every stride but the last must be multiples of this many bytes
 TMA_ALIGN_BYTES = 16
 #: the KV-major kernel loads each tile's per-row (LSE2, D, λ) from the fp32 (B·H, Sq) scratch with TMA, which
-#: needs the row stride (Sq·4 bytes) a multiple of 16 bytes: Sq a multiple of 4 (run 23: Sq = 333, then read as
-#: a flat buffer, raised "illegal instruction" on the H200). Lifting it needs a scratch whose row stride is
+#: needs the row stride (Sq·4 bytes) a multiple of 16 bytes: Sq a multiple of 4 (Sq = 333, then read as a flat
+#: buffer, raised "illegal instruction" on the H200). Lifting it needs a scratch whose row stride is
 #: padded to 4 (``triton_launch.allocate_scratch`` and the tl kernels' scratch indexing)
 SCRATCH_ROW_ALIGN = 4
 #: an SM's register file (32-bit registers), and the threads of a warp
@@ -110,11 +110,11 @@ class KernelConfig:
             raise ValueError(f"release_pairs needs an even ring of at least 4 slots, got {self.num_stages}")
 
 
-#: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``benchmarks/gluon_check.py --compile-only``), each
-#: tile's products retired within it (unserialized wgmma). D=128: KV launch ×0.853–0.864 of the 64-row, 2-slot
-#: kernel without it at the four D=128 issue shapes, bitwise equal results (BENCHMARKS.md run 36). D=64: 128-row
-#: tiles, a 3-slot ring, ×0.876–0.894 of the tl launch (run 40; the 64-row 2-slot build without retired tiles,
-#: whose wgmmas ptxas serializes, was ×1.16–1.18)
+#: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``python -m benchmarks.ptx --gluon``), each tile's
+#: products retired within it (unserialized wgmma). D=128: KV launch ×0.853–0.864 of the 64-row, 2-slot kernel
+#: without it at four D=128 shapes on the H200, bitwise equal results. D=64: 128-row tiles, a 3-slot ring,
+#: ×0.876–0.894 of the tl launch (the 64-row 2-slot build without retired tiles, whose wgmmas ptxas serializes, was
+#: ×1.16–1.18)
 CONFIGS = {64: KernelConfig(128, 3, retire_tiles=True), 128: KernelConfig(64, 2, retire_tiles=True)}
 
 
@@ -311,7 +311,7 @@ def _slot_values(job, cls: _LaunchClass, delta: torch.Tensor, lse2: torch.Tensor
 def dkdv_arguments(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor, cfg: KernelConfig) -> dict:
     """The keyword arguments of ``gluon_kernels._dkdv_kernel`` (constexprs included) for ``job`` (a
     ``triton_launch.Launch`` that ``kv_major_reason`` accepted) and the dQ-major launch's fp32 (B·H, Sq) scratch
-    D, base-2 LSE and λ. Pure host work: ``benchmarks/gluon_check.py --compile-only`` compiles from it on a CPU.
+    D, base-2 LSE and λ. Pure host work: ``python -m benchmarks.ptx --gluon`` compiles from it on a CPU.
     Per call only the tensors are bound: the rest comes from the shape class's cache (``_launch_class``)."""
     cls = _launch_class(*_class_key(job, cfg))
     return {**_slot_values(job, cls, delta, lse2, lam), **cls.scalars}

@@ -55,15 +55,15 @@ class DqConfig:
     overlap: bool = False
 
 
-#: per head dim, timed on the H200 against 64/32-key tiles and 2/3-slot rings (``benchmarks/gluon_dq_check.py``,
-#: BENCHMARKS.md runs 56 and 58). ``overlap``: ×0.92 of the plain build at 4K causal and 8K full, ×0.95–1.0 at 16K
-#: and GQA (run 58), bitwise the same. The D=128 build spills (an 80-byte stack frame with ``overlap``, 128–144
+#: per head dim, timed on the H200 against 64/32-key tiles and 2/3-slot rings (``python -m benchmarks.gluon
+#: --launch dq``). ``overlap``: ×0.92 of the plain build at 4K causal and 8K full, ×0.95–1.0 at 16K and GQA,
+#: bitwise the same. The D=128 build spills (an 80-byte stack frame with ``overlap``, 128–144
 #: without: Σ t·K and Σ r·K hold 128 registers); a 32-key tile spills nothing and was slower
 CONFIGS = {64: DqConfig(64, 2, overlap=True), 128: DqConfig(64, 2, overlap=True)}
 #: head dims where it is the default (``plan.dq_major_choice``): faster than the tl dQ-major launch at every
-#: shape timed in runs 56–59 (D=128: the launch alone ×0.86–0.95 with ``overlap`` in run 58; the routing's
-#: backward ×0.96–0.99 of the tl-dQ one in run 57, ×0.93–0.95 with ``overlap`` in run 59). D=64 is not shown to
-#: be: the launch alone ×0.98 (runs 56, 58), the backward +2% in run 57 (plain build)
+#: shape timed on the H200 (D=128: the launch alone ×0.86–0.95 with ``overlap``; the routing's backward
+#: ×0.96–0.99 of the tl-dQ one with the plain build, ×0.93–0.95 with ``overlap``). D=64 is not shown to be: the
+#: launch alone ×0.98, the backward +2% (plain build)
 FASTER_HEAD_DIMS = (128,)
 
 

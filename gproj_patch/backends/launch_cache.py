@@ -1,11 +1,11 @@
-"""Compiled Triton launches replayed without Triton's per-call argument binding (issue 21 item 2: host cost).
+"""Compiled Triton launches replayed without Triton's per-call argument binding (the host cost of a launch).
 
-``JITFunction.run`` binds every argument on every call: it specializes each one (a tensor's dtype and 16-byte
-alignment, an integer's value 1 or multiple of 16), builds the cache key from that and looks up the compiled
-kernel — ~60–70 arguments a GProj launch, most of the host time of a backward at small shapes (BENCHMARKS.md,
-run 24). When the same shape class comes back, all of that is known: a ``Prepared`` launch keeps the compiled
-kernel, the grid and every argument in signature order, with the tensor slots left open; a later call fills the
-tensors and calls the kernel's launcher directly (``compat.compiled_launcher``).
+``JITFunction.run`` binds every argument on every call: it specializes each one (a tensor's dtype and 16-byte alignment,
+an integer's value 1 or multiple of 16), builds the cache key from that and looks up the compiled kernel — ~60–70
+arguments a GProj launch, most of the host time of a backward at small shapes. When the same shape class comes back, all
+of that is known: a ``Prepared`` launch keeps the compiled kernel, the grid and every argument in signature order, with
+the tensor slots left open; a later call fills the tensors and calls the kernel's launcher directly
+(``compat.compiled_launcher``).
 
 Soundness. A ``Prepared`` is only used under a key that fixes everything Triton specializes on: the caller's key
 must determine every non-tensor argument (so they are the template's values) and every tensor's dtype, strides

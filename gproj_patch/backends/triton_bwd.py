@@ -109,21 +109,20 @@ LAUNCH_KERNELS = ("tl", "gluon")
 DEFAULT_DK_FORM = "fused"
 
 # Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels, chosen by
-# greedy sweeps on the H200 (benchmarks/kernel_sweep.py; BENCHMARKS.md, NOTES_kernel.md): 64 and 128 in run 3, 128's dq
-# re-swept in run 51 (two warpgroups, three stages: 2.248 against 2.290 ms for the whole backward at 4·16·4096·128
-# causal, 0 B spilled against 16), 32 and 256 in run 19 (at 4·16·4096·32 causal ×1.14 faster than the 64 config it used
-# to borrow; at 2·16·4096·256 causal ×1.36 faster than the first guess, dkdv without spills). 16 takes the 32 config.
-# Run 20 timed 128's dkdv with a third stage at 2.169 against 2.260 ms (4·16·4096·128 causal, no spills): the default
-# since run 52's GPU suite ran with it.
+# greedy sweeps on the H200 (``python -m benchmarks.kernel --sweep``; benchmarks/NOTES.md). 128's dq: two warpgroups,
+# three stages (2.248 against 2.290 ms for the whole backward at 4·16·4096·128 causal, 0 B spilled against 16); 128's
+# dkdv: a third stage (2.169 against 2.260 ms, same shape, no spills). 32 and 256 have configs of their own (at
+# 4·16·4096·32 causal ×1.14 faster than the 64 config; at 2·16·4096·256 causal ×1.36 faster than the first guess,
+# dkdv without spills). 16 takes the 32 config.
 CONFIGS = {
     "dq": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 1)},
     "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 3),
              256: (32, 32, 4, 1)},
 }
-#: block configs for fp32 inputs with ``FP32_DOT_PRECISION``'s products: 64 and 128 from run 21's sweep at
-#: 1·16·4096·D causal ((64, 32) best of four for both kernels at both: 3.55 and 12.6 ms, against 13.8 and 33.9
-#: for the best IEEE configs of runs 19/20); 256 not swept (small tiles: fp32 operands fill the registers);
-#: 16 and 32 take 64's
+#: block configs for fp32 inputs with ``FP32_DOT_PRECISION``'s products: 64 and 128 from a sweep at 1·16·4096·D causal
+#: ((64, 32) best of four for both kernels at both: 3.55 and 12.6 ms, against 13.8 and 33.9 for the best IEEE configs,
+#: ``python -m benchmarks.kernel --fp32-sweep``); 256 not swept (small tiles: fp32 operands fill the registers); 16 and
+#: 32 take 64's
 CONFIGS_FP32 = {
     "dq": {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 16, 4, 1)},
     "dkdv": {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 16, 4, 1)},
@@ -131,7 +130,7 @@ CONFIGS_FP32 = {
 #: ``tl.dot`` input precision of fp32 inputs (the FP32 tier's kernel form): "tf32x3", each operand split into a
 #: TF32 head and tail and three tensor-core products summed in fp32 (≈ 2^-21 relative per product, fp32-level);
 #: Triton's "ieee" runs on the FMA units at ~10 TFLOP/s on the H200, slower than cuBLAS's fp32 GEMMs of the
-#: chunked tier (BENCHMARKS.md runs 20–21). Under the interpreter every precision is plain fp32.
+#: chunked tier. Under the interpreter every precision is plain fp32.
 FP32_DOT_PRECISION = "tf32x3"
 #: smallest padded head dim the kernels use (tl.dot needs an inner dimension of at least 16)
 MIN_BLOCK_D = 16

@@ -119,7 +119,7 @@ def tensor_arguments(kind: str, job: Launch, scratch: Scratch) -> dict:
 def kernel_arguments(kind: str, job: Launch, scratch: Scratch, *, block_d: int) -> dict:
     """Every keyword argument of the ``kind`` launch ("dq": ``_bwd_dq``, "dkdv": ``_bwd_dkdv``) of ``job``: the
     kernel's parameters by name (constexpr flags included) plus the launch options num_warps and num_stages.
-    Pure host work: the launch passes exactly this, and a compile check (benchmarks/ptx_snapshot.py) compiles
+    Pure host work: the launch passes exactly this, and a compile check (``python -m benchmarks.ptx``) compiles
     from it on a machine without a GPU. Everything but the tensors is a function of ``launch_key(job)``."""
     args = tensor_arguments(kind, job, scratch)
     q, k, v, do = job.q, job.k, job.v, job.do

@@ -35,11 +35,10 @@ from typing import Optional, Tuple
 import torch
 
 from .. import policy
-from ..runtime.config import POLICY_MODES
+from ..runtime.config import POLICY_MODES, TIERS
 from .record import CallRecord, Problem
 from ..runtime.state import STATE
 
-TIERS = ("gproj", "fp32", "original")
 #: the refusal of tier "triton": the plan sees the resolved option, not whether a keyword (enable(),
 #: GProjCallback) or the variable set it, so the message names both
 TRITON_REFUSED = 'tier="triton" (as a keyword or GPROJ_TIER=triton) but the GProj kernel cannot run: '

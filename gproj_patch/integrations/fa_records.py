@@ -8,7 +8,7 @@ window, softcap, varlen offsets, learnable sink) and ``Context`` (mode, options,
 Filed under the LSE's *storage*, not the tensor object. FA4 (4.0.0b36) returns ``(out, lse)`` from its
 Function and saves ``lse``, one of its own outputs; autograd saves an output as a new tensor object sharing its
 storage (unpacked as yet another one), so the object the forward returned dies as soon as the caller keeps only
-``out`` — a record tied to it died before the backward (issue 19). FA2 with ``return_attn_probs`` does the same.
+``out`` — a record tied to it died before the backward. FA2 with ``return_attn_probs`` does the same.
 The storage survives: the saved tensor holds it until the backward has run (or the graph is freed), and torch
 keeps one Python object per storage while it lives. So an entry is keyed by (device, address of the LSE), holds a
 weak reference to that storage object, is found only when the backward's LSE lives in that very storage with the

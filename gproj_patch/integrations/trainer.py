@@ -33,6 +33,7 @@ from typing import Dict, Optional
 from transformers import TrainerCallback
 
 from .. import policy as _policy
+from ..runtime.config import TIERS
 
 logger = logging.getLogger("gproj_patch")
 
@@ -150,7 +151,7 @@ class GProjCallback(TrainerCallback):
         if self.log_layers and _policy.stats():  # per-layer tiers exist only where the policy keeps records
             out.update(_policy.log_dict(prefix=p))
         st = gproj_patch.stats()
-        for tier in ("gproj", "fp32", "original"):
+        for tier in TIERS:
             n = int(st.get(tier, 0))
             out[f"{p}calls/{tier}"] = float(n - self._last_calls.get(tier, 0))
             self._last_calls[tier] = n

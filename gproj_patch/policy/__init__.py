@@ -52,12 +52,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..runtime import config as _config
-from ..runtime.config import POLICY_OPTION_NAMES as OPTION_NAMES, PolicyConfig
+from ..runtime.config import POLICY_OPTION_NAMES as OPTION_NAMES, TIERS, PolicyConfig
 from ..runtime.state import STATE
 
-TIERS = ("original", "gproj", "fp32")
 MODES = _config.POLICY_MODES
-_RANK = MappingProxyType({t: i for i, t in enumerate(TIERS)})
+_RANK = MappingProxyType({t: i for i, t in enumerate(TIERS)})  # a tier's position in TIERS: 0 original .. 2 fp32
 _log = logging.getLogger("gproj_patch.policy")
 
 

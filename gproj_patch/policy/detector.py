@@ -36,8 +36,8 @@ the backward's O(B·H·Sq·Sk·D). Sampled rows give statistical estimates of th
 On CUDA, ``compute`` is two Triton launches (``backends/detector_kernel.py``: one program per (batch, query
 head) reading the sampled rows of q, k and the LSE in place, then a one-program reduction to the summary
 values) and one non-blocking copy of those 7 values into pinned host memory; ``summary()`` waits for that copy's
-CUDA event only, not for the device. H200 (``benchmarks/detector_cost.py``, B=2, H=16, S=4096, D=128, BF16;
-BENCHMARKS.md run 15): 0.023 ms of GPU time (3 % of the 0.76 ms causal cuDNN backward), 0.16 ms wall per sampled
+CUDA event only, not for the device. H200 (B=2, H=16, S=4096, D=128, BF16; ``python -m benchmarks.auto``
+measures it): 0.023 ms of GPU time (3 % of the 0.76 ms causal cuDNN backward), 0.16 ms wall per sampled
 call, most of it Triton's Python launch path; the path it replaces (gathers + a CUDA graph of ~40 torch kernels +
 ``.tolist()``) took 0.28 ms wall.
 Inputs the kernel does not take (``detector_kernel_supported``: head dim > 256, no Triton, ...) and CPU tensors
@@ -169,10 +169,10 @@ def _statistics(qs: torch.Tensor, ks: torch.Tensor, k0: torch.Tensor, lse_s: Opt
 
 
 # The CUDA fallback (inputs the Triton kernel does not take, or after it failed). The ~40 small kernels of
-# ``_statistics`` cost more in launches than in work. Measured on the H200 (benchmarks/detector_cost.py,
-# B·H = 32, D = 128): eager 1.26 ms a call, torch.compile 0.58 ms, one replay of a CUDA graph of the same
-# arithmetic 0.24 ms (copies and the one transfer included), against a 0.84 ms attention backward. The sampled
-# shapes are fixed (max_rows), so one graph per input signature is captured and replayed.
+# ``_statistics`` cost more in launches than in work. Measured on the H200 (B·H = 32, D = 128): eager 1.26 ms a call,
+# torch.compile 0.58 ms, one replay of a CUDA graph of the same arithmetic 0.24 ms (copies and the one transfer
+# included), against a 0.84 ms attention backward. The sampled shapes are fixed (max_rows), so one graph per input
+# signature is captured and replayed.
 # The option detector_graph (GPROJ_DETECTOR_GRAPH=0) opts out; a failed capture falls back to eager for good (logged once).
 _GRAPH_CACHE_SIZE = 16
 

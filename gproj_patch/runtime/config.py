@@ -44,6 +44,11 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 MODES = ("gproj", "fp32", "off", "auto", "audit")
 POLICY_MODES = ("auto", "audit")
 TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex", "context_parallel")
+#: the tiers a backward can run, the one definition every layer imports (this module imports nothing of the
+#: package). The order is the ``auto`` policy's rank, least to most precise (and slowest): 0 "original" (the
+#: caller's own backward, uncorrected), 1 "gproj" (the GProj kernel), 2 "fp32" (FP32 attention with the
+#: projection); the policy's hysteresis and the 0/1/2 it logs per layer read that position.
+TIERS = ("original", "gproj", "fp32")
 TIER_OPTIONS = ("auto", "triton", "fp32")
 #: the kernel tier's KV-major and dQ-major launches: "auto" (``plan.kv_major_choice`` / ``plan.dq_major_choice``
 #: choose per call), "tl"

@@ -22,12 +22,10 @@ from __future__ import annotations
 import logging
 from typing import Optional, Tuple
 
+from .config import TIERS
 from .state import STATE
 
 logger = logging.getLogger("gproj_patch")
-
-#: the tiers a backward can run, in the order of the policy's rank (0 original, 1 gproj, 2 fp32)
-TIERS = ("original", "gproj", "fp32")
 
 
 def shape_class(source: str, q=None, k=None) -> Tuple:

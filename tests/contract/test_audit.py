@@ -65,7 +65,7 @@ def test_json_has_documented_fields(quick_report):
 
 
 def test_quick_done_criteria(quick_report):
-    """Issue 2: uncorrected dq error ≥ 20 % at 128σ; GProj ≤ 0.5 % on every gauge-regime case."""
+    """The suite's done criteria: uncorrected dq error ≥ 20 % at 128σ; GProj ≤ 0.5 % on every gauge-regime case."""
     doc, out, _ = quick_report
     cases = {c["name"]: c for c in doc["cases"]}
     assert cases["key_offset_128"]["results"]["emulated-uncorrected"]["dq"] >= 0.20

@@ -1,4 +1,4 @@
-"""The audit's command line as a new user meets it (issue 22, item 4): arguments checked before anything runs
+"""The audit's command line as a new user meets it: arguments checked before anything runs
 (exit 2, one line), one plain-text table whatever is installed, a quiet stderr, plain-English counts,
 ``--version``, ``python -m gproj_patch startup``, and a readable plot."""
 import json

@@ -1,4 +1,4 @@
-"""Plugin backends of the audit (issue 22): a user's attention function given as MODULE:FUNCTION, the Python
+"""Plugin backends of the audit: a user's attention function given as MODULE:FUNCTION, the Python
 API ``check(fn) -> Report``, and the ``gproj_audit`` pytest fixture.
 
 The kernels under audit are written here: ``eager_bf16_attention`` is attention as people write it in eager

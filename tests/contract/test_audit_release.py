@@ -1,6 +1,6 @@
-"""The release (issue 22, item 5): metadata, license, typing, changelog, sdist contents. Building and installing
-the wheel: ``.ci/wheel_smoke.sh``. (auto_check.py's exit status, timing deciding nothing on a CPU:
-tests/scripts/test_auto_check.py, through the script's CLI.)"""
+"""The release: metadata, license, typing, changelog, sdist contents. Building and installing the wheel:
+``.ci/wheel_smoke.sh``. (``python -m benchmarks.auto``'s exit status, timing deciding nothing on a CPU:
+tests/scripts/test_auto.py, through its command line.)"""
 import importlib
 import inspect
 import sys

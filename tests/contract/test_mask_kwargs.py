@@ -1,4 +1,4 @@
-"""The mask kwargs as one dataclass (issue 20's rule on host functions with a dozen loose parameters): the
+"""The mask kwargs as one dataclass (the rule on host functions with a dozen loose parameters): the
 backends take ``**mask`` and turn it into ``spec.MaskArgs``; the keyword call convention, its refusals and the
 results stay what they were with explicit keyword parameters."""
 import pytest

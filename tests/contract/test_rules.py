@@ -1,11 +1,13 @@
-"""The structure rules of issue 20 (item 8), checked on the source: one runtime state, no import cycle at any
-level and no upward import, no environment read in the numerics, no host function with a dozen loose arguments,
-no module far over 400 lines.
+"""The structure rules of the package (ARCHITECTURE.md), checked on the source: one runtime state, no import cycle
+at any level and no upward import, no environment read in the numerics, no host function with a dozen loose
+arguments, no module far over 400 lines, the backward tiers spelled out once, no run or issue numbers in
+comments and docstrings.
 
-Each rule is an AST scan of ``gproj_patch/`` (the last one: of ``tests/``, which loads no benchmark script); a
-violation names the file, line and what to do instead.
+Each rule is an AST scan of ``gproj_patch/`` (the history rule: a line scan of the package and the tests; the last
+one: of ``tests/``, which loads no benchmark script); a violation names the file, line and what to do instead.
 """
 import ast
+import re
 
 from tests.helpers.paths import REPO
 
@@ -202,6 +204,73 @@ def test_no_host_function_with_a_dozen_loose_arguments():
             if n > MAX_PARAMETERS:
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n})")
     assert not bad, bad
+
+
+#: the backward tiers: one definition (``runtime/config.py`` ``TIERS``, in the policy's rank order) that every
+#: layer imports, so no two modules can disagree on the names or their order
+TIERS_HOME = PKG / "runtime" / "config.py"
+TIER_NAMES = {"original", "gproj", "fp32"}
+
+
+def _tier_literals(source: str) -> list:
+    """Lines of each tuple, list or set literal (or dict literal's keys) in ``source`` made of exactly the three
+    tier names, in any order."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else \
+            node.keys if isinstance(node, ast.Dict) else None
+        if items and len(items) == len(TIER_NAMES) and all(isinstance(e, ast.Constant) for e in items) and \
+                {e.value for e in items} == TIER_NAMES:
+            found.append(node.lineno)
+    return found
+
+
+def test_the_tiers_are_spelled_out_once():
+    """The tuple of tier names appears in exactly one place of the package, ``runtime/config.py`` (which imports
+    nothing of the package, so every layer may import it); everyone else uses ``config.TIERS``."""
+    found = [f"{path.relative_to(REPO)}:{line}" for _, path in KNOWN.items()
+             for line in _tier_literals(path.read_text())]
+    assert len(found) == 1 and found[0].startswith(f"{TIERS_HOME.relative_to(REPO)}:"), \
+        f"the tier names spelled out {len(found)} times (import TIERS from runtime/config.py instead): {found}"
+
+
+def test_the_tiers_rule_sees_every_spelling():
+    """The scan above flags the tier names as any literal container in any order, and nothing else."""
+    sources = {
+        'TIERS = ("original", "gproj", "fp32")': 1,
+        'for t in ["fp32", "original", "gproj"]:\n    pass': 1,
+        'ok = tier in {"gproj", "original", "fp32"}': 1,
+        'RANK = {"original": 0, "gproj": 1, "fp32": 2}': 1,
+        'MODES = ("gproj", "fp32", "off", "auto", "audit")': 0,
+        'PAIR = ("gproj", "fp32")': 0,
+        '"""Backward calls per tier ("gproj", "fp32", "original")."""': 0,
+    }
+    for source, expected in sources.items():
+        assert len(_tier_literals(source)) == expected, source
+
+
+#: history in a comment or docstring ("run 12", "runs 40–41", "Issue 21 item 4"): which run, session or issue found
+#: something is BENCHMARKS.md's and CHANGELOG.md's; the source says why it is as it is
+HISTORY = re.compile(r"\b(?:run|issue)s? \d", re.IGNORECASE)
+#: the files that spell out such labels as examples for their scans
+HISTORY_EXAMPLES = (REPO / "tests" / "contract" / "test_rules.py", REPO / "tests" / "scripts" / "test_entry_points.py")
+
+
+def test_no_history_in_the_package_or_the_tests():
+    """No line of the package or of the tests names a run or an issue (the same scan as benchmarks/' own, in
+    ``tests/scripts/test_entry_points.py``, case-insensitive)."""
+    bad = [f"{path.relative_to(REPO)}:{i}: {line.strip()[:100]}"
+           for path in sorted([*PKG.rglob("*.py"), *(REPO / "tests").rglob("*.py")]) if path not in HISTORY_EXAMPLES
+           for i, line in enumerate(path.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not bad, "say why the code is as it is; which run or issue found it belongs in BENCHMARKS.md:\n" + \
+        "\n".join(bad)
+
+
+def test_the_history_rule_sees_the_labels():
+    assert HISTORY.search("(H200 run 49)") and HISTORY.search("Issue 8 item 5:") and HISTORY.search("runs 56–59")
+    assert HISTORY.search("(issue 19, item 4)") and HISTORY.search("issue 8.1's check")
+    assert not HISTORY.search("small tile products are 2-3x faster") and not HISTORY.search("rerun 3 times")
+    assert not HISTORY.search("three runs of it") and not HISTORY.search("after their issue)")
 
 
 # ---- tests load no benchmark script ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""One runtime state, bounded caches, and the imports of the hook/audit/numerics modules (issue 20, items 2 and 4).
+"""One runtime state, bounded caches, and the imports of the hook/audit/numerics modules.
 
 What is protected:
 * no ``global`` statement, and no module-level mutable container unless it is marked ``#: bounded cache:``, in the
@@ -96,7 +96,7 @@ def _dotted(node) -> str:
     return ".".join(reversed(parts))
 
 
-# ---- item 2: one runtime state ------------------------------------------------------------------------------
+# ---- one runtime state -----------------------------------------------------------------------------------------
 
 # (no ``global`` statement and module-level containers only as state, constants or bounded caches: the
 # package-wide rules in test_rules.py)
@@ -196,7 +196,7 @@ def test_compiled_original_flex_cache_holds_one(monkeypatch):
         assert len(flex_hook._COMPILED_ORIGINAL) == 1
 
 
-# ---- item 4: imports ----------------------------------------------------------------------------------------
+# ---- imports ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rel", OWNED)
 def test_no_private_name_imported_across_modules(rel):

@@ -1,6 +1,6 @@
 """The package's shape: ARCHITECTURE.md names every module, and every private upstream touch-point works on the
-installed versions (issue 9.2, 9.6). The import rules (backends/ pure numerics, no cycle at any level, no upward
-import) and the other structure rules of issue 20 are in ``test_rules.py``."""
+installed versions. The import rules (backends/ pure numerics, no cycle at any level, no upward import) and the
+other structure rules are in ``test_rules.py``."""
 
 import pytest
 import torch

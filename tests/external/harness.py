@@ -1,7 +1,7 @@
 """Run a vendored pytest suite in several arms (patch off, patch on, ...) and compare the outcomes test by test.
 
-Shared by the CPU runner (``tests/integrations/test_external_torch_sdpa.py``) and the GPU script
-(``benchmarks/external_gpu.py``). Each arm is one pytest subprocess over the same file with
+Shared by the CPU runner (``tests/integrations/test_external_torch_sdpa.py``) and the GPU entry point
+(``python -m benchmarks.external_suites``). Each arm is one pytest subprocess over the same file with
 ``-p gproj_plugin`` (this directory on ``PYTHONPATH``); the plugin enables the patch when the arm's environment
 says ``GPROJ_EXTERNAL_PATCH=1`` and applies the selection given by ``GPROJ_EXTERNAL_*`` (the same in every arm).
 Outcomes come from each arm's JUnit XML report.

@@ -7,11 +7,11 @@
   that the corrected tier ran.
 * ``flex_cases``: the FlexAttention masks, inputs and bounds shared by the flex hook tests.
 * ``adversarial``: the adversarial BF16 kernel suite (key offsets to 512σ, sinks, P == 1 rows, ...), shared with
-  ``benchmarks/device_check.py`` and ``benchmarks/gluon_check.py``.
+  ``python -m benchmarks.kernel`` and ``python -m benchmarks.gluon``.
 * ``fa4_standin``: a CPU stand-in for flash-attn-4's ``flash_attn.cute.interface``.
 * ``launch_mismatch``: what the GProj kernel's two separate dP products do to dk.
 * ``kernel_build``: compile kernels for sm_90a on a GPU-less machine and read registers, spills and shared
-  memory (the Gluon compile test; ``benchmarks/gluon_check.py`` and ``ptx_snapshot.py`` use it too).
+  memory (the Gluon compile test; ``python -m benchmarks.ptx`` uses it too).
 * ``switches``: the CPU kernel switch (TRITON_INTERPRET / GPROJ_TIER), resolved at ``enable()``.
 * ``hf_models``: a tiny HF Llama in the large-key regime, a few-step CPU Trainer, and each attention call's
   gradients measured against the fp64 oracle (a spy on a module global or an HF registry entry).

@@ -1,6 +1,6 @@
 """Kernel build inspection on a GPU-less machine: compile for sm_90a with Triton's own ptxas and read the
 registers, stack (spills) and shared memory. Used by the kernel tests (``tests/kernels/test_kv_major.py``) and
-by ``benchmarks/gluon_check.py --compile-only`` / ``benchmarks/ptx_snapshot.py --spills`` / ``--wgmma``."""
+by ``python -m benchmarks.ptx`` (``--gluon``, ``--spills``, ``--wgmma``)."""
 import os
 import re
 import subprocess

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward
+from gproj_patch.runtime.config import TIERS
 
 
 def main(mode: str, order: str) -> None:
@@ -41,7 +42,7 @@ def main(mode: str, order: str) -> None:
         errors.append({name: float((t.grad.double() - r).norm() / r.norm())
                        for name, t, r in zip(("dq", "dk", "dv"), leaves, ref)})
     print(json.dumps({"mode": mode, "order": order, "layouts": layouts, "errors": errors,
-                      "stats": {t: gproj_patch.stats()[t] for t in ("gproj", "fp32", "original")}}))
+                      "stats": {t: gproj_patch.stats()[t] for t in TIERS}}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Malformed SDPA calls behave exactly as without the patch (issue 19, item 4): the same result, or the same
+"""Malformed SDPA calls behave exactly as without the patch: the same result, or the same
 error raised at the same call (the forward, not the backward), with the same message.
 
 Each case runs twice — unpatched, then under ``enable()`` — and the outcomes of the call and of its backward

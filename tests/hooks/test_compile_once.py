@@ -1,10 +1,11 @@
-"""Under ``enable()`` a compiled function or model compiles once and stays compiled (issue 19, item 1).
+"""Under ``enable()`` a compiled function or model compiles once and stays compiled.
 
-Before the fix the SDPA wrapper's thread-local call counter became a Dynamo guard that failed on every call: one
-recompile per call, ``FailOnRecompileLimitHit`` at the 9th call with ``fullgraph=True``. Each test here makes
-30+ calls with fresh inputs and asserts, from Dynamo's own counters, that exactly one graph was compiled and no
-recompile happened; compiled results are compared with the eager patched ones, and the tier that ran is checked
-(the corrected backward, not a pass-through), with gradients against the fp64 oracle on a key-offset input.
+Per-call Python state that a hook reads while Dynamo traces (a thread-local call counter, say) becomes a guard
+that fails on every call: one recompile per call, ``FailOnRecompileLimitHit`` at the 9th call with
+``fullgraph=True``. Each test here makes 30+ calls with fresh inputs and asserts, from Dynamo's own counters,
+that exactly one graph was compiled and no recompile happened; compiled results are compared with the eager
+patched ones, and the tier that ran is checked (the corrected backward, not a pass-through), with gradients
+against the fp64 oracle on a key-offset input.
 """
 import copy
 import os

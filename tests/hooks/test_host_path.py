@@ -1,11 +1,11 @@
-"""The per-call host path of the SDPA hook (issue 11.2): what it caches cannot give a stale answer.
+"""The per-call host path of the SDPA hook: what it caches cannot give a stale answer.
 
 ``plan.kernel_reason`` keeps its answers per (device type, CPU kernel switch, dtypes, head dims, B·H) in the
 runtime state; the switch (``TRITON_INTERPRET=1`` here) is resolved at ``enable()`` and recorded in each call's
 context, so the answer depends on nothing else (fp16 runs the interpreted kernel, bf16 is refused). The backend
 compute is replaced by zero gradients: the tests are about which tier each call gets and what ``stats()``
 counts, call after call, as dtype, head dim, B·H, causal, mode and ``enable()`` options change in between.
-``ops/sdpa.problem_for`` shares one frozen ``Problem`` per (scale, flags) among calls without a mask tensor.
+The seam's ``_problem`` shares one frozen ``Problem`` per (scale, flags) among calls without a mask tensor.
 """
 import threading
 

@@ -1,9 +1,9 @@
-"""One layer naming scheme for an HF model, whatever its ``attn_implementation`` (issue 20, item 3).
+"""One layer naming scheme for an HF model, whatever its ``attn_implementation``.
 
-The ``auto`` policy keeps its records per layer name (``stats()["layers"]``). Before the fix a model on "sdpa"
-named its calls ``call0``, ``call1`` (the SDPA hook knows nothing of the module) while "eager", "gproj" and
-"flex_attention" named them ``"<AttentionClass>.<layer_idx>"``: switching the implementation changed the keys.
-Now every implementation gives ``"<AttentionClass>.<layer_idx>"``, or the module path when ``track_layers``
+The ``auto`` policy keeps its records per layer name (``stats()["layers"]``), so switching the implementation
+must not change the keys: a model on "sdpa" must not name its calls ``call0``, ``call1`` (the SDPA hook knows
+nothing of the module) while "eager", "gproj" and "flex_attention" name them ``"<AttentionClass>.<layer_idx>"``.
+Every implementation gives ``"<AttentionClass>.<layer_idx>"``, or the module path when ``track_layers``
 (the Trainer callback's hooks) is active — in eager code and under ``torch.compile`` (no graph break, one
 compile). The registry wrapper that names the calls is checked to be invisible: same function identity after
 ``disable()``, same signature, same output bits, same errors.

@@ -1,4 +1,4 @@
-"""A ring's per-shard backwards through the SDPA seam are never projected to a zero row sum (issue 33, item 2).
+"""A ring's per-shard backwards through the SDPA seam are never projected to a zero row sum.
 
 PyTorch's ring attention calls SDPA's fused backward op once per KV shard with the *merged* output and LSE of the
 whole row: over one shard's keys P sums to less than 1, and the exact Σ_j dS_ij over the shard is not 0 — a

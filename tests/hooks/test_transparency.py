@@ -1,5 +1,5 @@
 """The shim is invisible: tensor subclasses and __torch_function__ modes see SDPA exactly as without the patch,
-the forward is bitwise unchanged, and what cannot be corrected is passed through with a reason (issue 8.2)."""
+the forward is bitwise unchanged, and what cannot be corrected is passed through with a reason."""
 import pytest
 import torch
 import torch.nn.functional as F

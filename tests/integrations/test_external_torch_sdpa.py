@@ -1,5 +1,5 @@
 """PyTorch's own SDPA tests, run with the patch off and on: every test that passes without the patch must pass
-with it (issue 8, "Done when").
+with it.
 
 The suite is PyTorch's ``test/test_transformers.py`` (provenance, version and the selection:
 ``tests/external/PROVENANCE.md``), run in two subprocesses of pytest over the same deterministic selection of
@@ -37,7 +37,7 @@ VENDORED = Path(os.environ.get("GPROJ_TORCH_SDPA_TESTS", EXTERNAL / "vendor" / "
 # sha256 of the vendored file as documented in PROVENANCE.md (a different file is a different suite).
 VENDORED_SHA256 = "0df471a871e2966cfd570fc7adbd9f351b2c709cf4dbe1ebb909980ca0cbfb6a"
 
-# The four SDPA classes issue 8 names, and TestTransformers (nn.MultiheadAttention / nn.Transformer* on top of
+# The four SDPA classes of PyTorch's CPU SDPA tests, and TestTransformers (nn.MultiheadAttention / nn.Transformer* on top of
 # SDPA: 121 tests, ~10-20 s a run), which is where the patch showed a defect of its own (TorchScript).
 CLASSES = ("TestSDPACPU", "TestSDPAFailureModesCPU", "TestSDPACpuOnlyCPU", "TestAttnBiasCPU", "TestTransformersCPU")
 # At most this many instances per test function, plus as many among the BF16/FP16 instances that run a

@@ -1,4 +1,4 @@
-"""FA4 forwards leave records their backwards find (issue 19 item 2), on the CPU stand-in of flash-attn-4 4.0.0b36
+"""FA4 forwards leave records their backwards find, on the CPU stand-in of flash-attn-4 4.0.0b36
 (``tests/helpers/fa4_standin.py``: the release's autograd Functions verbatim, its forward and backward modelled).
 
 4.0.0b36's ``FlashAttnFunc`` returns ``(out, lse)`` and saves ``lse`` — one of its own outputs — for the backward.

@@ -1,4 +1,4 @@
-"""FA4's learnable sink through the flash-attn hook (issue 10 item 3, FA4 part).
+"""FA4's learnable sink through the flash-attn hook.
 
 FA4 (flash-attention's ``flash_attn/cute/interface.py``): ``_flash_attn_fwd(..., learnable_sink=(Hq,))`` puts
 the sink logit in every row's softmax denominator and returns an LSE that includes it. Since flash-attention
@@ -27,7 +27,7 @@ from gproj_patch.integrations import fa_records
 from tests.helpers import fa4_standin
 from tests.helpers.numerics import offset_along_direction, rel as _rel
 
-BOUND = 5e-3          # corrected BF16 gradients (and dsink) against fp64: the issue's 0.5%
+BOUND = 5e-3          # corrected BF16 gradients (and dsink) against fp64: the project's 0.5%
 FAR = 10.0            # the original (uncorrected) dq: at least this many times the corrected error
 NAIVE_FAR = 0.5       # a projection towards the no-sink target: at least 50% dq error
 KEY_OFFSET_SIGMA = 128.0
@@ -211,7 +211,7 @@ def test_sink_kernel_tier_in_the_interpreter(monkeypatch):
 def test_sink_with_softcap_takes_the_original_and_keeps_function_attributes(monkeypatch):
     """Softcap with a sink (no convention for capping the sink logit) goes to FA4's own backward, in FA4's own
     format; that path reads ``_flash_attn_bwd.compile_cache`` through the module global, which the proxy
-    forwards to the original function (issue 8.4), and writes reach the original too."""
+    forwards to the original function, and writes reach the original too."""
     iface, attend, calls = fa4_with_sinks(monkeypatch)
     original = iface._flash_attn_bwd
     q, k, v, do, sink = inputs(orthogonal=True, seed=4)

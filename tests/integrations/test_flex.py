@@ -1,4 +1,4 @@
-"""FlexAttention through the hook (issue 10.2): same forward bits, backward within 0.5% of the fp64 oracle on
+"""FlexAttention through the hook: same forward bits, backward within 0.5% of the fp64 oracle on
 adversarial inputs, masks recognised only when provably equal, everything else passed through with a reason.
 
 CPU: PyTorch's flex has no CPU backward, so the hooked calls run the FP32 tier there (the original raises);
@@ -538,9 +538,9 @@ def test_gpu_hf_model_flex(monkeypatch):
     Whole-model compile: the corrected backward changes the joint graph, so AOTAutograd's partitioner may save
     other activations and Inductor fuse the forward's pointwise chains differently; by default Inductor keeps
     fused intermediates in fp32 past explicit BF16 casts, so such a regrouping alone moves logits by a few BF16
-    ulps (H200, 2026-12-01: max |Δlogit| 0.0078 patched vs unpatched, 0 between two unpatched compiles and with or
+    ulps (H200: max |Δlogit| 0.0078 patched vs unpatched, 0 between two unpatched compiles and with or
     without labels). With ``emulate_precision_casts`` (every cast rounds, whatever the fusion) the logits are
-    bitwise equal (BENCHMARKS.md, run 17): the flex forward itself is unchanged."""
+    bitwise equal: the flex forward itself is unchanged."""
     import torch._inductor.config as inductor_config
     monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
     transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Every binding of torch's ``flex_attention`` reaches the hook (issue 19, item 3).
+"""Every binding of torch's ``flex_attention`` reaches the hook.
 
 Bound before ``enable()`` — a module global (``from torch.nn.attention.flex_attention import flex_attention``), a
 ``functools.partial``, ``torch.compile(flex_attention)`` made (and run) before it as a class attribute

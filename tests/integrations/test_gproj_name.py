@@ -104,7 +104,7 @@ def clean():
 def test_import_registers_the_name_and_nothing_else(order, clean):
     got = _report(order)
     assert got["ours"] == [True, True] and got["enabled"] is False
-    assert got["hooks"] == [False, False, False]   # no SDPA wrapper, no eager wrapper, no registry wrapper
+    assert got["hooks"] == [False, False, False]   # nothing on F.scaled_dot_product_attention, no eager wrapper, no registry wrapper
     assert got["attention"] == clean["attention"] and got["mask"] == clean["mask"]
     if order == "transformers first":
         assert got["same_objects"] == []           # every entry present before the import is the same object

@@ -1,4 +1,4 @@
-"""HF eager attention (issue 10 item 1): ``integrations/hf_eager.py`` wraps every modeling module's
+"""HF eager attention: ``integrations/hf_eager.py`` wraps every modeling module's
 ``eager_attention_forward``; ``ops/hf_eager.py`` keeps its forward and routes its backward.
 
 Checked: the forward and the returned attention weights bitwise equal to unpatched (a tiny Llama, a direct

@@ -1,4 +1,4 @@
-"""HF ``"gproj"`` with learnable sinks (``s_aux``, gpt-oss) and softcap (Gemma 2): issue 10 items 3 and 4.
+"""HF ``"gproj"`` with learnable sinks (``s_aux``, gpt-oss) and softcap (Gemma 2).
 
 The forward is HF eager's own (gpt-oss's sink operations in ``ops/attention_sink.py``; Gemma 2's eager softcap
 function itself), checked bit for bit on tiny models and on direct calls; the backward goes through the router

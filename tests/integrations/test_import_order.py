@@ -1,4 +1,4 @@
-"""Issue 8 item 5: GPROJ_PATCH=1 start-up and the deferred "gproj" registration hold for any import order.
+"""GPROJ_PATCH=1 start-up and the deferred "gproj" registration hold for any import order.
 
 The first half runs fresh interpreters with the real .pth (see tests/integrations/test_startup.py) and a different first statement
 each; every one must end with the SDPA seam installed, the start-up state "enabled", and — where Transformers' modeling code

@@ -8,6 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 import gproj_patch  # noqa: E402
 from gproj_patch import policy  # noqa: E402
+from gproj_patch.runtime.config import TIERS  # noqa: E402
 from gproj_patch.runtime.state import STATE  # noqa: E402
 from gproj_patch.integrations.trainer import GProjCallback  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
@@ -77,7 +78,7 @@ def test_keys_reach_log_history_and_the_driven_layer_is_flagged(tmp_path, caplog
     assert last["gproj/model.layers.1.self_attn/r_k"] > 10 > 1 > last["gproj/model.layers.0.self_attn/r_k"]
     assert last["gproj/layers/original"] == 1.0
     # calls per tier are deltas per logging window: 2 steps x 2 layers
-    assert sum(last[f"gproj/calls/{t}"] for t in ("gproj", "fp32", "original")) == 4
+    assert sum(last[f"gproj/calls/{t}"] for t in TIERS) == 4
     danger = [r.getMessage() for r in caplog.records if "entered the large-key regime" in r.getMessage()]
     assert len(danger) == 1 and "model.layers.1.self_attn" in danger[0]
 

@@ -1,7 +1,7 @@
 """The dQ-major launch's own side of the per-call kernel choice on CPU: the predicate's reasons where they differ
 from the KV-major one's, the configs, the launch's arguments and its sm_90a build (what both launches share —
 options, explicit argument, ``stats()`` — is ``test_launch_choice.py``). The Gluon kernel itself runs on the H200
-(``tests/kernels/test_gluon_dq_gpu.py``, ``benchmarks/gluon_dq_check.py``)."""
+(``tests/kernels/test_gluon_dq_gpu.py``, ``python -m benchmarks.gluon --launch dq``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +14,8 @@ from gproj_patch.backends import gluon_bwd, gluon_dq
 from gproj_patch.backends.gluon_dq import dq_major_reason
 from tests.helpers.launch_choice import qkv
 
-#: stack bytes a thread of the shipped D=128 build (Triton 3.6's ptxas, the ``overlap`` build): what run 58 timed
-#: (the plain build: 128–144)
+#: stack bytes a thread of the shipped D=128 build (Triton 3.6's ptxas, the ``overlap`` build): what its timings on
+#: the H200 were taken with (the plain build: 128–144)
 SPILL_BYTES_D128 = 80
 #: the same with a learnable sink: the shard-row test (1 − P_sink against m) adds two values the consumer keeps in
 #: local memory from before its key loop to after it (two stores, two loads per CTA; none inside the loop, sm_90a
@@ -90,10 +90,10 @@ def test_dq_arguments_name_every_kernel_parameter_and_refuse_what_it_cannot_run(
 @needs_gluon
 @pytest.mark.parametrize("head_dim", sorted(gluon_dq.CONFIGS))
 def test_default_configs_compile_for_sm90a_with_async_wgmma(head_dim):
-    """The shipped dQ-major configs compile for sm_90a on this GPU-less machine with Triton's own ptxas (causal
-    and full, with and without a sink), ptxas keeps every wgmma async, and the spills stay what runs 58–59 timed:
-    none at D=64; at D=128 a stack frame of at most ``SPILL_BYTES_D128`` (the 128 registers of Σ t·K and Σ r·K leave
-    little room)."""
+    """The shipped dQ-major configs compile for sm_90a on this GPU-less machine with Triton's own ptxas (causal and
+    full, with and without a sink), ptxas keeps every wgmma async, and the spills stay what the H200 timings were taken
+    with: none at D=64; at D=128 a stack frame of at most ``SPILL_BYTES_D128`` (the 128 registers of Σ t·K and Σ r·K
+    leave little room)."""
     from tests.helpers.kernel_build import gluon_dq_compile_report
     for causal, sink in ((True, False), (False, True)):
         (row,) = gluon_dq_compile_report(head_dims=(head_dim,), causal=causal, sink=sink)

@@ -1,17 +1,17 @@
-"""The FP32 tier's kernel form: the GProj Triton kernels on fp32 copies with fp32-level products (issue 11.2;
-``triton_bwd.FP32_DOT_PRECISION``, 3×TF32 on the GPU; the interpreter computes every precision in plain fp32).
+"""The FP32 tier's kernel form: the GProj Triton kernels on fp32 copies with fp32-level products
+(``triton_bwd.FP32_DOT_PRECISION``, 3×TF32 on the GPU; the interpreter computes every precision in plain fp32).
 
 On CPU through Triton's interpreter, whose ``tl.dot`` is ``np.matmul`` of the fp32 tiles (``input_precision``
 ignored: no TF32 split, numpy's sgemm of whatever BLAS numpy loaded). The saved output and LSE are what a BF16
 fused forward keeps (O rounded to BF16, LSE in fp32): the projection removes what O's rounding puts into D, so
-dq and dv are within 1e-4 of fp64 on every case (measured 2026-12-01: at most 4.7e-5, at the 512σ offset; the
+dq and dv are within 1e-4 of fp64 on every case (measured: at most 4.7e-5, at the 512σ offset; the
 chunked tier 6.7e-5 there) — ten times below the chunked tier's test bar and far below what any low-precision
 product gives.
 
 dk is held to the same 1e-4, against an fp64 evaluation of the kernel's own products: the exact dk plus the
 first-order effect of the difference between the two launches' fp32 dP (``tests/helpers/launch_mismatch.py``). The
 dQ-major launch derives λ from its dP = dO·Vᵀ, the KV-major launch forms P∘(dP − D − λ) from its own V·dOᵀ;
-whether those are bitwise transposes depends on the BLAS kernel (issue 19 item 5: OpenBLAS's SkylakeX sgemm yes,
+whether those are bitwise transposes depends on the BLAS kernel (OpenBLAS's SkylakeX sgemm yes,
 its Haswell sgemm — ``OPENBLAS_CORETYPE=Haswell`` — no, 1–2 ulps apart on ~40% of the elements at equal
 accuracy). On ``sink_offset_64`` the sink key's exact dk is a cancellation (P ≈ 1, dP − D − λ ≈ e^-20·|dP|), so
 those ulps are 1.5e-2 of dk (measured under Haswell; predicted by the mismatch term to 4 digits; 0 under

@@ -3,7 +3,7 @@ elsewhere): against the fp64 oracle on the Gluon kernels' adversarial suite (key
 massive sink key, P == 1 rows, causal in both alignments, odd lengths with Sq ≠ Sk, rows that see no key, GQA/MQA,
 D = 64/128, strided memory, Sq not a multiple of 4, learnable sinks, the four-key witness), outputs poisoned before
 every launch; bitwise determinism; another head's non-finite rows; the plan's choice through the public API.
-``benchmarks/gluon_dq_check.py`` reports the same suite with the timings."""
+``python -m benchmarks.gluon --launch dq`` reports the same suite with the timings."""
 from __future__ import annotations
 
 import pytest
@@ -108,7 +108,7 @@ def test_nonfinite_rows_of_another_head_stay_there(head_dim, causal):
 @pytest.mark.parametrize("head_dim,expected", [(128, "gluon"), (64, "tl"), (96, "tl")])
 def test_patched_sdpa_counts_its_dq_major_kernel(head_dim, expected):
     """Through the public API: the plan picks the Gluon dQ-major launch where it was measured faster (D=128),
-    the tl one elsewhere (D=64: not faster in run 57; D=96: no Gluon build), per call; ``stats()`` counts which
+    the tl one elsewhere (D=64: not faster; D=96: no Gluon build), per call; ``stats()`` counts which
     ran; the gradients match the fp64 oracle."""
     import gproj_patch
     g = torch.Generator(device="cuda").manual_seed(9)

@@ -19,12 +19,12 @@ if gluon_gpu_reason() is not None:
 from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
 from gproj_patch.backends.gluon_entry import gluon_backward, gluon_supported_reason  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
-from tests.helpers import adversarial as dc  # noqa: E402  (the suite benchmarks/gluon_check.py reports on)
+from tests.helpers import adversarial as dc  # noqa: E402  (the suite benchmarks.gluon reports on)
 
 TARGET = dc.TARGET
 #: agreement with the tl kernel on the same inputs (same contract, different accumulation order)
 TL_AGREEMENT = 2e-3
-#: sink (P ≈ 1 − 1e-5) + 64σ + causal at D=128: dk measured 0.63% on the H200 (run 3, seed 11), over the 0.5%
+#: sink (P ≈ 1 − 1e-5) + 64σ + causal at D=128: dk measured 0.63% on the H200 (seed 11), over the 0.5%
 #: gauge target; the tl kernel was not measured on it (it matched the Gluon kernel bitwise on every other case)
 SHARP_SINK_CAUSAL = "sink64_d128_causal"
 GAUGE = [c for c in dc.SUITE_CASES if c not in dc.NOT_GAUGE and c != "witness"] + \

@@ -1,5 +1,5 @@
-"""Every head dim 1..256 in the GProj Triton kernel (issue 8 item 3a: head dim 16 crashed the CUDA backward
-with ``KeyError: 16`` in the per-head-dim config lookup).
+"""Every head dim 1..256 in the GProj Triton kernel (a head dim missing from the per-head-dim config table must
+take a config, not crash the CUDA backward with ``KeyError: 16``).
 
 On CPU: the padded block_d and the block config of every head dim (the lookup the CUDA path makes, never a
 KeyError; the nearest-config rule on a table with gaps), the single predicate ``kernel_unsupported_reason``,

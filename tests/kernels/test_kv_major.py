@@ -188,8 +188,8 @@ def test_paired_release_needs_two_pairs_of_slots():
 @pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
 @pytest.mark.parametrize("head_dim", sorted(gluon_bwd.CONFIGS))
 def test_default_configs_compile_for_sm90a_without_spills(head_dim):
-    """The shipped Gluon configs compile for sm_90a on this (GPU-less) machine with Triton's own ptxas and spill
-    nothing (benchmarks/gluon_check.py --compile-only): a kernel edit that breaks compilation or starts spilling
+    """The shipped Gluon configs compile for sm_90a on this (GPU-less) machine with Triton's own ptxas and spill nothing
+    (``python -m benchmarks.ptx --gluon`` tables the same): a kernel edit that breaks compilation or starts spilling
     fails here, in CI, before any GPU run."""
     from tests.helpers.kernel_build import gluon_compile_report
     cfg = gluon_bwd.CONFIGS[head_dim]
@@ -206,7 +206,7 @@ def test_default_configs_compile_for_sm90a_without_spills(head_dim):
 @pytest.mark.parametrize("head_dim", sorted(gluon_bwd.CONFIGS))
 def test_paired_release_variant_compiles_for_sm90a_without_spills(head_dim):
     """The paired slot release at the default's tile rows (4 slots) compiles for sm_90a without spills and
-    within shared memory (the variant benchmarks/gluon_check.py times against the default)."""
+    within shared memory (the variant ``python -m benchmarks.gluon`` times against the default)."""
     from tests.helpers.kernel_build import gluon_compile_report
     cfg = gluon_bwd.CONFIGS[head_dim]
     (row,) = gluon_compile_report(head_dims=(head_dim,), block_ms=(cfg.block_m,), stages=(4,), release_pairs=(True,),

@@ -1,14 +1,14 @@
 """The portable ``tl`` kernels' wgmma state, compiled for sm_90a on this GPU-less machine (CPU, 15–30 s).
 
-ptxas can serialize a kernel's wgmmas silently (info C7511/C7512/C7515, which Triton 3.6 drops; the Gluon
-KV-major kernel's D=128 default was, NOTES_gluon.md): each ``HGMMA`` then waits for the previous one. This
-records, for every shipped bf16 config of both ``tl`` launches at D=64 and D=128 under the default flag set
-(dense and causal; corrected, fused dk form), that every ``tl.dot`` lowered to wgmma (``HGMMA``, no ``HMMA``
-mma.sync) and that ptxas kept them async, read twice, independently: the SASS (``WARPGROUP.DEPBAR`` per
-``HGMMA``) and ptxas' own log re-run on the PTX. A Triton or ptxas update that changes either fails here.
-The kernels are compiled by ``benchmarks/ptx_snapshot.py --wgmma`` (the launches' own arguments, Triton's
-binder), run as a subprocess; the Gluon KV-major kernel's shipped configs go through the same readers as a
-control (its D=64 default is serialized today: the two readings must agree there too).
+ptxas can serialize a kernel's wgmmas silently (info C7511/C7512/C7515, which Triton 3.6 drops; the Gluon KV-major
+kernel's builds without retired tiles are, benchmarks/NOTES.md): each ``HGMMA`` then waits for the previous one. This
+records, for every shipped bf16 config of both ``tl`` launches at D=64 and D=128 under the default flag set (dense and
+causal; corrected, fused dk form), that every ``tl.dot`` lowered to wgmma (``HGMMA``, no ``HMMA`` mma.sync) and that
+ptxas kept them async, read twice, independently: the SASS (``WARPGROUP.DEPBAR`` per ``HGMMA``) and ptxas' own log
+re-run on the PTX. A Triton or ptxas update that changes either fails here. The kernels are compiled by
+``python -m benchmarks.ptx --wgmma`` (the launches' own arguments, Triton's binder), run as a subprocess; the Gluon
+KV-major kernel's shipped configs go through the same readers as a control (neither of its shipped builds is serialized,
+``test_kv_major.py``: the two readings must agree there too).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ HEAD_DIMS = (64, 128)
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    """``ptx_snapshot.py --wgmma`` rows of the shipped tl configs (default flag sets) and the Gluon kernel."""
+    """``benchmarks.ptx --wgmma`` rows of the shipped tl configs (default flag sets) and the Gluon kernel."""
     out = tmp_path_factory.mktemp("tl_build") / "rows.json"
     only = "tl" if gluon_bwd.UNAVAILABLE_REASON is not None else "tl,gluon"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -63,15 +63,15 @@ def test_tl_dots_lower_to_wgmma(rows):
 
 def test_sass_and_ptxas_agree_on_serialization(rows):
     """The SASS reading (a DEPBAR per HGMMA) and ptxas' own C75xx "serialized" line agree on every kernel,
-    tl and Gluon (which has a serialized build among its shipped ones today)."""
+    tl and Gluon."""
     for r in rows:
         assert r["serialized"] == r["ptxas_serialized"], r
 
 
 def test_shipped_tl_configs_keep_wgmma_async(rows):
-    """Recorded state (Triton 3.6's ptxas): no shipped tl config at D=64/128 is serialized, dense or causal
-    (registers 138–255, spills in several: ptx_snapshot.py --wgmma prints them; NOTES_kernel.md). When this
-    fails, the tl launches lost their overlapped wgmmas: look at the C75xx reason in the row."""
+    """Recorded state (Triton 3.6's ptxas): no shipped tl config at D=64/128 is serialized, dense or causal (registers
+    138–255, spills in several: ``benchmarks.ptx --wgmma`` prints them; benchmarks/NOTES.md). When this fails, the tl
+    launches lost their overlapped wgmmas: look at the C75xx reason in the row."""
     for r in _tl(rows):
         assert not r["serialized"] and not r["ptxas_serialized"], r
         assert r["depbar"] < r["hgmma"], r

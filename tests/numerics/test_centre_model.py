@@ -1,5 +1,5 @@
 """docs/math.md §5's claims about the dq correction's centre, on the CPU model of a BF16 fused backward
-(``benchmarks/centre_model.py``) against the fp64 reference: the relaxed argmax centre holds the 0.5% target on
+(``python -m benchmarks.centre_model``) against the fp64 reference: the relaxed argmax centre holds the 0.5% target on
 every unmasked family of the GPU suite (massive sink key included), a mean-key centre does not, and the argmax
 centre is exact where the exact one is on P == 1 rows."""
 import json

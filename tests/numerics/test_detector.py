@@ -103,7 +103,7 @@ def test_sampled_rows_estimate_large_offset_closely():
 
 def test_cost_below_three_percent_of_fp32_backward():
     # The detector reads at most 256 rows per head, so its cost is fixed while the backward grows as S²;
-    # S = 2048 is a short training sequence. (benchmarks/auto_check.py measures the ratio on the GPU.)
+    # S = 2048 is a short training sequence. (``python -m benchmarks.auto`` measures the ratio on the GPU.)
     # One intra-op thread for both timings: on a shared, oversubscribed CPU every parallel region of a small op
     # can wait a scheduler slice for a descheduled OpenMP worker, which measures the machine, not the detector.
     threads = torch.get_num_threads()

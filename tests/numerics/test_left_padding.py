@@ -1,4 +1,4 @@
-"""Left padding handed to the kernel exactly (issue 10 item 4): ``ops/masks.padding_as_varlen``.
+"""Left padding handed to the kernel exactly: ``ops/masks.padding_as_varlen``.
 
 A left-padded causal boolean mask (HF batch generation/training: pad rows fully masked, pad key columns masked
 for every live row) whose pad query rows have an exactly zero output gradient becomes varlen segments over

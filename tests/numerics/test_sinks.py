@@ -1,4 +1,4 @@
-"""Learnable attention sinks (issue 10 item 3) in the oracle, the emulation, the FP32 tier and the Triton kernel.
+"""Learnable attention sinks in the oracle, the emulation, the FP32 tier and the Triton kernel.
 
 A sink s_h (shape (Hq,)) enters every row's softmax denominator with no value row (spec.py): Σ_j P_ij =
 1 − P_sink,i, the exact row sum of dS is P_sink,i·D_i, GProj restores that target (λ = (ρ − P_sink·D)/m) and
@@ -16,7 +16,7 @@ dsink_h = −Σ_{b,i} P_sink,i·D_i. Checked here:
   (P_sink = 255/256, exact dq = 0) where the uncorrected kernel is nonzero and GProj exactly 0.
 
 The kernel against the emulation ("rounding at the same places") is held to TIGHT, or to the emulation's own
-accumulation-order noise where that is larger (``order_noise``; issue 19 item 5). Both round the same operands
+accumulation-order noise where that is larger (``order_noise``). Both round the same operands
 to FP16, but from fp32 values whose last bits depend on the order of each dot's accumulation; where an operand
 is a cancellation (the fused dk operand P∘(dP − D − λ)) those bits decide its FP16 rounding. Under Triton's
 interpreter a ``tl.dot`` is numpy's sgemm: OpenBLAS's SkylakeX kernel happens to sit close to torch's order,

@@ -322,10 +322,10 @@ def delayed_error(message: str, outputs: tuple) -> tuple:
 
 
 # ---- torch.library custom ops (flash-attn's backward ops) --------------------------------------------------
-#: tags of the custom ops whose Python must run at every call (the compiled SDPA/flex hook files and reads the
-#: call's plan there): ``torch.Tag.cudagraph_unsafe`` keeps them out of inductor's CUDA-graph partitions
+#: tags of the custom ops whose Python must run at every call (the compiled flex hook files and reads the call's
+#: plan there): ``torch.Tag.cudagraph_unsafe`` keeps them out of inductor's CUDA-graph partitions
 #: (``torch.compile(mode="reduce-overhead")``; untagged, a partition returned the forward op's output tuple and
-#: cudagraph trees asserted, H200 run 49). Empty where the tag does not exist. Checked: torch 2.11, 2.13.
+#: cudagraph trees asserted). Empty where the tag does not exist. Checked: torch 2.11, 2.13.
 CUDAGRAPH_UNSAFE_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 

@@ -73,8 +73,8 @@ def triton_interpreter_index_patch() -> Iterator[None]:
 
 
 # ---- Triton's Gluon (experimental) -------------------------------------------------------------------------
-#: Triton releases the Gluon KV-major kernel (``backends/gluon_kernels.py``) was compiled and run on (H200, runs
-#: 22–25). Gluon is experimental: between releases ``gl.warp_specialize`` changed its signature (a list of
+#: Triton releases the Gluon KV-major kernel (``backends/gluon_kernels.py``) was compiled and run on (H200).
+#: Gluon is experimental: between releases ``gl.warp_specialize`` changed its signature (a list of
 #: (function, args) in 3.6, keyword default/worker partitions later), so other releases get the tl kernel.
 GLUON_CHECKED_TRITON = ("3.6",)
 
