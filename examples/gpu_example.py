@@ -3,11 +3,12 @@
     python examples/gpu_example.py                         # auto mode, layer 1 driven into the large-key regime
     python examples/gpu_example.py --mode gproj --compile  # always the GProj kernel, compiled model
 
-Enable before the first forward and before torch.compile traces the model; the fused forward is unchanged
-and only the backward is swapped (per layer in `auto`). Without a GPU it runs a CPU-sized model instead
-(`CPU_SIZES`: 2 layers, hidden 128, 128 tokens, 20 steps; well under a minute on a 2-core CPU — the GPU sizes
-would take hours there), says so, and the GProj tier falls back to the FP32 tier (logged once). Any size given
-on the command line is used as given.
+The fused forward is unchanged and only the backward is corrected (per layer in `auto`). SDPA's backward is
+corrected at the dispatcher, so the patch must be on while the backward runs (enabling before or after
+torch.compile makes no difference: nothing of the patch is in the graph). Without a GPU it runs a CPU-sized model
+instead (`CPU_SIZES`: 2 layers, hidden 128, 128 tokens, 20 steps; ~25 s on a 2-core CPU — the GPU sizes would take
+hours there) and says so; there the corrected backward is the FP32 tier (the CPU's planned backward: no fallback
+reason). Any size given on the command line is used as given.
 """
 import argparse
 import logging

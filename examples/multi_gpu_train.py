@@ -17,7 +17,7 @@ launch), initializes NCCL on GPUs and gloo on the CPU, and wraps the model with 
 the forward runs under BF16 autocast, so attention sees BF16 q/k/v (what the patch corrects). The model is a
 tiny Llama built from a config (no downloads), the data fixed random tokens: every rank takes its slice of the
 same global batch, so the run equals a single-process run on that global batch up to reduction order
-(``benchmarks/multi_gpu_check.py`` checks exactly that on two GPUs).
+(``python -m benchmarks.multi_gpu --part dp`` checks exactly that on two GPUs, or with ``--cpu`` on two gloo ranks).
 """
 import argparse
 import os
