@@ -4,6 +4,7 @@ these names; modules of the package that need them import this module, never the
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -11,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
 from .runtime import config as _config
+from .runtime import hooks as _hooks
 from .runtime import state as _state_module
 from .runtime import telemetry as _telemetry
 from .runtime.import_hooks import call_after_import as _call_after_import
@@ -104,10 +106,9 @@ class _LastResort(logging.Handler):
 _logger.addHandler(_LastResort())
 
 
-def _installers():
-    from .integrations import context_parallel, flash_attn, flex, hf_eager, sdpa, transformers
-    return {"sdpa": sdpa, "flash_attn": flash_attn, "transformers": transformers, "hf_eager": hf_eager,
-            "flex": flex, "context_parallel": context_parallel}
+def _installers() -> Dict[str, Any]:
+    """Each registered target's module (``runtime/hooks.HOOKS``), imported on the first enable()."""
+    return {hook.name: importlib.import_module(hook.module) for hook in _hooks.HOOKS}
 
 
 class Handle:

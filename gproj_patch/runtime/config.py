@@ -9,8 +9,9 @@ even over an invalid environment value. Unknown keywords raise.
 | option              | variable                  | values                                           | default |
 |---------------------|---------------------------|--------------------------------------------------|---------|
 | mode                | GPROJ_MODE                | gproj, fp32, off, auto, audit                    | gproj   |
-| targets             | GPROJ_TARGETS             | non-empty comma list of sdpa, flash_attn,        | all     |
-|                     |                           | transformers, hf_eager, flex                     |         |
+| targets             | GPROJ_TARGETS             | non-empty comma list of the registered targets   | all     |
+|                     |                           | (runtime/hooks.py: sdpa, flash_attn, transformers, |       |
+|                     |                           | hf_eager, flex, context_parallel)                |         |
 | tier                | GPROJ_TIER                | auto (kernel where supported, else FP32 tier),   | auto    |
 |                     |                           | triton (kernel or error), fp32 (FP32 tier)       |         |
 | kv_major            | GPROJ_KV_MAJOR            | auto (the Gluon KV-major launch where supported  | auto    |
@@ -30,7 +31,8 @@ even over an invalid environment value. Unknown keywords raise.
 Booleans accept 1/0, true/false, yes/no, on/off. ``GPROJ_DETERMINISTIC`` (0.1) is gone: every tier is bitwise
 deterministic (no atomics), so the option changed nothing.
 
-This module imports nothing from the package (config is read by everyone).
+This module imports nothing from the package but the registry of target names, ``runtime/hooks.py`` (which imports
+nothing): config is read by everyone.
 """
 from __future__ import annotations
 
@@ -41,11 +43,12 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from . import hooks as _hooks
+
 MODES = ("gproj", "fp32", "off", "auto", "audit")
 POLICY_MODES = ("auto", "audit")
-TARGETS = ("sdpa", "flash_attn", "transformers", "hf_eager", "flex", "context_parallel")
-#: the tiers a backward can run, the one definition every layer imports (this module imports nothing of the
-#: package). The order is the ``auto`` policy's rank, least to most precise (and slowest): 0 "original" (the
+#: the tiers a backward can run, the one definition every layer imports (this module imports only the target
+#: registry). The order is the ``auto`` policy's rank, least to most precise (and slowest): 0 "original" (the
 #: caller's own backward, uncorrected), 1 "gproj" (the GProj kernel), 2 "fp32" (FP32 attention with the
 #: projection); the policy's hysteresis and the 0/1/2 it logs per layer read that position.
 TIERS = ("original", "gproj", "fp32")
@@ -68,21 +71,23 @@ def _choice(name: str, value, allowed) -> str:
 
 
 def parse_targets(name: str, value) -> Tuple[str, ...]:
+    """The named targets in the registry's order (``runtime/hooks.HOOKS``, read at each call)."""
+    known = _hooks.TARGETS
     if isinstance(value, str):
         items = [t.strip().lower() for t in value.split(",") if t.strip()]
     else:
         try:
             items = [str(t).strip().lower() for t in value]
         except TypeError:
-            raise ValueError(f"{name} must be a comma list or a sequence of {', '.join(TARGETS)}; got {value!r}") \
+            raise ValueError(f"{name} must be a comma list or a sequence of {', '.join(known)}; got {value!r}") \
                 from None
     items = [_TARGET_ALIASES.get(t, t) for t in items]
-    bad = [t for t in items if t not in TARGETS]
+    bad = [t for t in items if t not in known]
     if bad:
-        raise ValueError(f"{name}: unknown target(s) {', '.join(map(repr, bad))}; known: {', '.join(TARGETS)}")
+        raise ValueError(f"{name}: unknown target(s) {', '.join(map(repr, bad))}; known: {', '.join(known)}")
     if not items:
-        raise ValueError(f"{name} is empty: name at least one of {', '.join(TARGETS)} (or do not enable the patch)")
-    return tuple(dict.fromkeys(items))
+        raise ValueError(f"{name} is empty: name at least one of {', '.join(known)} (or do not enable the patch)")
+    return tuple(t for t in known if t in items)
 
 
 def _int_text(text: str) -> Optional[int]:
@@ -183,7 +188,7 @@ POLICY_OPTION_NAMES = tuple(f.name for f in fields(PolicyConfig))
 @dataclass(frozen=True)
 class Config:
     mode: str = "gproj"
-    targets: Tuple[str, ...] = TARGETS
+    targets: Tuple[str, ...] = field(default_factory=lambda: _hooks.TARGETS)  # every registered target
     tier: str = "auto"
     kv_major: str = "auto"
     dq_major: str = "auto"
