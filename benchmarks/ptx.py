@@ -16,8 +16,7 @@ How: ``triton_launch.kernel_arguments`` (the keyword arguments the launch passes
 like each job; those go through Triton's own JIT binder for a CUDA sm_90 backend (the same signature,
 constexprs and divisibility attributes a real launch computes) and then ``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)`` (warp size 32, what the H200 has; Triton's CUDA options fix it at 32 whatever
-the target says). The Gluon KV-major kernel is compiled the same way from ``gluon_bwd.dkdv_arguments``. The LSE
-kernel's arguments mirror ``triton_lse.attention_lse``'s launch.
+the target says). The Gluon KV-major kernel is compiled the same way from ``gluon_bwd.dkdv_arguments``.
 
 ``--spills`` also runs Triton's ptxas (cubin) and ``cuobjdump -res-usage`` and prints registers and stack bytes
 (spills) per kernel. Many shipped tl compiles spill (the dkdv kernel at every head dim under some flag set, dq at
@@ -242,23 +241,6 @@ def config_entries(candidates: dict, variants: Tuple[Variant, ...] = DEFAULT_FLA
     return entries
 
 
-def lse_entries() -> List[Entry]:
-    """The LSE kernel as ``triton_lse.attention_lse`` launches it on CUDA (64 × 64 tiles), dense and causal."""
-    from gproj_patch.backends import triton_bwd
-    km = triton_bwd.kernel_module(False, "triton_lse_kernels")
-    entries = []
-    for d in (64, 128):
-        for causal in (False, True):
-            q = torch.empty(BATCH, HEADS, 1024, d, dtype=torch.bfloat16)
-            k = torch.empty(BATCH, KV_HEADS, 1024, d, dtype=torch.bfloat16)
-            lse = torch.empty(BATCH, HEADS, 1024, dtype=torch.float32)
-            args = (q, k, lse, *q.stride(), *k.stride(), *lse.stride(), HEADS // KV_HEADS, 1024, 1024, d,
-                    d ** -0.5 * 1.4426950408889634)
-            kwargs = dict(CAUSAL=causal, BLOCK_M=64, BLOCK_N=64, BLOCK_D=triton_bwd.block_d(d), num_warps=4)
-            entries.append(Entry(f"_lse_fwd_d{d}_{'causal' if causal else 'dense'}", km._lse_fwd, args, kwargs))
-    return entries
-
-
 def gluon_entries() -> List[Entry]:
     """The Gluon KV-major kernel for each shipped ``gluon_bwd.CONFIGS`` entry (causal, as the launch builds its
     arguments), with the launch's num_warps and maxnreg; none where Gluon is unavailable."""
@@ -354,7 +336,7 @@ def main() -> int:
                     help="also registers, stack and the dots' lowering: HGMMA/HMMA counts, wgmma serialized "
                          "(SASS DEPBAR per HGMMA) and ptxas' C75xx info; prints a table last")
     ap.add_argument("--quick", action="store_true", help="only the default flag set of each shipped config")
-    ap.add_argument("--only", default="tl,lse,gluon", help="comma-separated: tl, lse, gluon")
+    ap.add_argument("--only", default="tl,gluon", help="comma-separated: tl, gluon")
     ap.add_argument("--dims", default="", help="tl head dims (comma-separated; default: every shipped one)")
     ap.add_argument("--flags", choices=("all", "default"), default="all",
                     help="tl flag sets: all (VARIANTS, VARIANTS_FP32) or default (DEFAULT_FLAG_SETS: bf16 dense, "
@@ -377,7 +359,7 @@ def main() -> int:
     entries = tl_entries(args.quick, dims, flag_sets) if "tl" in parts else []
     if "tl" in parts and args.candidates:
         entries += config_entries({int(d): c for d, c in json.loads(args.candidates).items()})
-    entries += (lse_entries() if "lse" in parts else []) + (gluon_entries() if "gluon" in parts else [])
+    entries += gluon_entries() if "gluon" in parts else []
     rows = snapshot(entries, args.out, args.spills, wgmma=args.wgmma)
     if args.json:
         with open(args.json, "w") as fh:

@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from gproj_patch.backends import triton_bwd, triton_lse  # noqa: E402
+from gproj_patch.backends import triton_bwd  # noqa: E402
 from gproj_patch.backends.emulation import emulated_backward  # noqa: E402
-from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
+from gproj_patch.backends.reference import reference_backward  # noqa: E402
 from tests.helpers.numerics import kernel_inputs as make, rel, saved_forward  # noqa: E402
 
 LOOSE = {torch.float16: 1.5e-3, torch.bfloat16: 5e-3}  # kernel vs fp64 (tests/kernels/test_triton_kernel.py, the 0.5% target)
@@ -81,9 +81,6 @@ def test_kernel_head_dims_interpreter(monkeypatch, D):
     check(q, k, v, do, causal=True, causal_align="bottom_right")
     # head dims below 16 reach the kernels zero-padded to 16 (ptxas crashed on their masked 16-wide tiles)
     assert set(widths) == {max(D, triton_bwd.MIN_BLOCK_D)}
-    lse = triton_lse.attention_lse(q, k, causal=True)  # the compiled path's LSE kernel, same head dims
-    _, want = reference_forward(q, k, k, causal=True)
-    torch.testing.assert_close(lse.double(), want, rtol=1e-6, atol=1e-5)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -97,6 +94,3 @@ def test_gpu_head_dims_bf16(monkeypatch, D):
     q, k, v, do = (x.cuda() for x in make(2, 4, 2, 200, 264, D, offset=32.0, seed=D, dtype=torch.bfloat16))
     check(q, k, v, do, causal=True, causal_align="bottom_right")
     check(q[:, :, :128], k[:, :, :128], v[:, :, :128], do[:, :, :128], causal=True)  # even tiles, top-left
-    lse = triton_lse.attention_lse(q, k, causal=True)
-    _, want = reference_forward(q, k, k, causal=True)
-    torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-4)
