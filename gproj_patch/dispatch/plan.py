@@ -35,38 +35,13 @@ from typing import Optional, Tuple
 import torch
 
 from .. import policy
-from ..runtime.config import POLICY_MODES, TIERS
-from .record import CallRecord, Problem
+from ..runtime.config import POLICY_MODES
+from .record import BackwardPlan, CallRecord, KernelPlan, Problem
 from ..runtime.state import STATE
 
 #: the refusal of tier "triton": the plan sees the resolved option, not whether a keyword (enable(),
 #: GProjCallback) or the variable set it, so the message names both
 TRITON_REFUSED = 'tier="triton" (as a keyword or GPROJ_TIER=triton) but the GProj kernel cannot run: '
-
-
-@dataclass(frozen=True)
-class KernelPlan:
-    """How the GProj kernel runs one backward."""
-    kv_major: str                 # "gluon" | "tl": the kernel of the KV-major launch (dk, dv)
-    kv_major_reason: Optional[str]  # why not the Gluon kernel (None when it runs); counted in stats()
-    dq_major: str = "tl"          # "gluon" | "tl": the kernel of the dQ-major launch (dq, λ, the row scratch)
-    dq_major_reason: Optional[str] = None  # why not the Gluon kernel there; counted in stats()
-
-
-@dataclass(frozen=True)
-class BackwardPlan:
-    tier: str
-    reason: Optional[str]
-    kernel: Optional[KernelPlan]       # tier "gproj"
-    fp32_kernel: Optional[KernelPlan]  # the FP32 tier's kernel form; None: the chunked recomputation
-    layer: str
-    step: int
-    dense: Optional["BackwardPlan"] = None  # a padding mask that dO does not resolve: this plan instead
-    error: Optional[str] = None  # the backward raises this (tier "triton" refused, known only at the backward)
-
-    def __post_init__(self):
-        if self.tier not in TIERS:
-            raise ValueError(f"plan tier must be one of {TIERS}, got {self.tier!r}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,6 +1,6 @@
 """The record of one attention call, made once (at its forward, or by the SDPA seam in its backward op).
 
-``CallRecord = (Problem, Context, BackwardPlan)``; the plan (``plan.py``) is made right after the record, still
+``CallRecord = (Problem, Context, BackwardPlan)``; the plan (``BackwardPlan``, defined here beside the record; made by ``plan.make_plan``) is made right after the record, still
 at the forward. ``Problem`` is the math of the call (scale, causal and its alignment,
 window, softcap, varlen offsets, the mask the kernel cannot take as flags, dropout, sink); ``Context`` is how
 the patch was asked to run it (mode, tier option, layer name, source hook, policy options). Both are frozen and
@@ -10,13 +10,12 @@ the one whose scope was open at the forward.
 
 Every hook makes one: at the forward, the flash-attn forward ops (FA2/FA3) and FA4's forward, HF eager and
 flex; at the backward, the SDPA seam (``integrations/sdpa.py``), whose backward op has every argument a record
-needs. ``Context`` holds no tensors, so it is
-hashable and can be interned (the compiled SDPA path passes its index through the graph).
+needs. ``Context`` holds no tensors (it is hashable).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -26,10 +25,32 @@ from ..layers.scope import current_layer, layer_id
 from ..policy import effective_config
 from ..runtime.state import STATE
 
-if TYPE_CHECKING:  # plan.py imports this module
-    from .plan import BackwardPlan
-
 ALIGNMENTS = ("top_left", "bottom_right")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How the GProj kernel runs one backward."""
+    kv_major: str                 # "gluon" | "tl": the kernel of the KV-major launch (dk, dv)
+    kv_major_reason: Optional[str]  # why not the Gluon kernel (None when it runs); counted in stats()
+    dq_major: str = "tl"          # "gluon" | "tl": the kernel of the dQ-major launch (dq, λ, the row scratch)
+    dq_major_reason: Optional[str] = None  # why not the Gluon kernel there; counted in stats()
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    tier: str
+    reason: Optional[str]
+    kernel: Optional[KernelPlan]       # tier "gproj"
+    fp32_kernel: Optional[KernelPlan]  # the FP32 tier's kernel form; None: the chunked recomputation
+    layer: str
+    step: int
+    dense: Optional["BackwardPlan"] = None  # a padding mask that dO does not resolve: this plan instead
+    error: Optional[str] = None  # the backward raises this (tier "triton" refused, known only at the backward)
+
+    def __post_init__(self):
+        if self.tier not in _config.TIERS:
+            raise ValueError(f"plan tier must be one of {_config.TIERS}, got {self.tier!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,7 +100,7 @@ class Context:
 class CallRecord:
     problem: Problem
     context: Context
-    plan: Optional["BackwardPlan"] = None  # made at the forward by plan.make_plan; the backward executes it
+    plan: Optional[BackwardPlan] = None  # made at the forward by plan.make_plan; the backward executes it
 
 
 def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config.Config] = None, *,

@@ -25,7 +25,7 @@ from .. import policy
 from ..runtime import telemetry
 from ..backends.spec import MaskSpec, Varlen, normalize_lse
 from ..layers.scope import backward_ran
-from .plan import KernelPlan
+from .record import KernelPlan
 from .record import CallRecord, Problem
 
 Grads = Tuple[torch.Tensor, ...]

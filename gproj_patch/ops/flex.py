@@ -23,8 +23,7 @@ enclosing activation checkpoint never packs them); the inner graph is dropped at
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -36,25 +35,14 @@ from ..dispatch.plan import ForwardTensors, make_plan
 from ..dispatch.record import CallRecord, make_context
 from ..dispatch.router import graph_backward
 from .flex_masks import NO_MASK
-from .flex_call import (FLEX_ATTENTION, NO_FLEX_BACKWARD, OWN_FORWARD, SLICED_MASK_MOD, SOURCE, Caller, mask_verdict,
+from .flex_call import (FLEX_ATTENTION, NO_FLEX_BACKWARD, OWN_FORWARD, SLICED_MASK_MOD, SOURCE, Caller, FlexCall,
+                        mask_verdict,
                         original_flex, problem_for, routed_backward, score_mod_softcap, set_original,
                         softcap_score_mod, unsupported_reason)
 from .flex_compiled import compiled_flex
 from .sdpa_call import inner_saved_tensors_hooks
 
 DEFAULT_CONFIG = Config()  # made once: a compiled region cannot construct it
-
-
-@dataclass(frozen=True, eq=False)
-class FlexCall:
-    """The original call's arguments (what the forward runs again) and how to run it."""
-    score_mod: Optional[Callable]
-    block_mask: object
-    scale: Optional[float]
-    enable_gqa: bool
-    kernel_options: Optional[dict]
-    forward_fn: Callable  # (q, k, v, score_mod=, block_mask=, scale=, enable_gqa=, kernel_options=, return_aux=)
-    forward_lse: bool = True  # ask forward_fn for the LSE (HF's Inductor-compiled flex on CPU has none)
 
 
 def run_forward(call: FlexCall, q, k, v, keep_graph: bool):

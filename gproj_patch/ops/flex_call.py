@@ -33,6 +33,18 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _HF_SCORE_MOD_NAME = "score_mod"
 
 
+@dataclass(frozen=True, eq=False)
+class FlexCall:
+    """The original call's arguments (what the forward runs again) and how to run it."""
+    score_mod: Optional[Callable]
+    block_mask: object
+    scale: Optional[float]
+    enable_gqa: bool
+    kernel_options: Optional[dict]
+    forward_fn: Callable  # (q, k, v, score_mod=, block_mask=, scale=, enable_gqa=, kernel_options=, return_aux=)
+    forward_lse: bool = True  # ask forward_fn for the LSE (HF's Inductor-compiled flex on CPU has none)
+
+
 class _Original:
     """The flex_attention function the hook replaced (``integrations/flex.py`` sets it while installed)."""
     fn: Optional[Callable] = None

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -34,16 +34,13 @@ from torch import Tensor
 from ..runtime import telemetry
 from ..backends.compat import assume_constant_result, flex_identity_score_mod
 from ..runtime.config import Config
-from ..dispatch.plan import BackwardPlan, ForwardTensors, kernel_reason, make_plan
-from ..dispatch.record import CallRecord, Context, make_context
+from ..dispatch.plan import ForwardTensors, kernel_reason, make_plan
+from ..dispatch.record import BackwardPlan, CallRecord, Context, make_context
 from ..backends.compat import CUDAGRAPH_UNSAFE_TAGS
 from ..runtime.state import STATE
-from .flex_call import OWN_FORWARD, SOURCE, Caller, problem_for, routed_backward, unsupported_reason
+from .flex_call import OWN_FORWARD, SOURCE, Caller, FlexCall, problem_for, routed_backward, unsupported_reason
 from .flex_masks import (INCONSISTENT, NO_MASK, BlockMaps, BlockStructure, MaskVerdict, Rows, classify,
                          evaluate_chunk, grid, structure_reason)
-
-if TYPE_CHECKING:  # annotations only: ops/flex.py imports this module
-    from .flex import FlexCall
 
 STAND_IN_REASON = "flex under torch.compile: original fused backward unreachable in a custom op; uncorrected stand-in"
 MAX_COMPILED_MASK_ELEMENTS = 1 << 28  # b·h·Sq·Sk mask_mod evaluations in one compiled forward

@@ -92,7 +92,7 @@ def record_forward(path: str, reason: Optional[str] = None, cls: Tuple = ()) -> 
 
 def record_kernels(kernel) -> None:
     """The launches of a backward that ran the GProj kernel (the kernel tier, or the FP32 tier's kernel form on
-    fp32 copies), from its ``plan.KernelPlan``: each launch's kernel, "gluon" or "tl" (with why not Gluon)."""
+    fp32 copies), from its ``record.KernelPlan``: each launch's kernel, "gluon" or "tl" (with why not Gluon)."""
     with STATE.lock:
         STATE.kv_major[kernel.kv_major] += 1
         if kernel.kv_major_reason:
