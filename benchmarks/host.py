@@ -11,7 +11,7 @@ a block, so at this shape host time):
 
     unpatched fwd+bwd / fwd            the builtin (cuDNN / flash), the reference
     auto fwd+bwd                       the patch passing the call through (benign keys, unsampled)
-    gproj fwd / fwd+bwd [bind]         the patched forward alone; the whole call with prepared launches and with
+    gproj fwd / fwd+bwd [bind]         the forward alone (PyTorch's: no hook); the whole call with prepared launches and with
                                        Triton's own argument binding on every launch
     fwd + grad_fn(do) main thread      the call with its backward node run on the calling thread (no engine)
     engine on the calling thread       fwd+bwd with ``torch.autograd.set_multithreading_enabled(False)``
@@ -27,8 +27,8 @@ runs it: inflated, for the shape of the split) and a cProfile (tottime) of the p
 
 ``breakdown`` on the CPU (``--cpu``, or no CUDA): FP16 CPU tensors, the patch on in mode "gproj" with tier
 "triton", and the lowest launch call replaced by a no-op, so what remains is the package's Python around the
-launches: the forward hook, record and plan, the autograd Function, the router, argument building and the
-launch-key lookup. ``--path interp``: the CPU's own launch path (``kernel[grid](**kwargs)``, kernel a no-op);
+launches: the seam's kernel at the backward op, record and plan, the router, argument building and the
+launch-key lookup (the forward runs no package code). ``--path interp``: the CPU's own launch path (``kernel[grid](**kwargs)``, kernel a no-op);
 ``prepared``: the GPU's (``launch_cache``: a replay of a prepared launch whose launcher is a no-op: ``HostCache``).
 Check in the profile that no interpreter or kernel frame is left: the stub removes only the kernel work.
 
@@ -60,29 +60,23 @@ CAUSAL = MaskSpec(causal=True, causal_align="top_left", window=(-1, -1), softcap
 #: (owner: "module" or "module:attribute.path", attribute, label) of each layer timed inclusively; indentation
 #: shows nesting. A layer the package no longer has is skipped and named in the output.
 LAYERS = (
-    ("gproj_patch.integrations.sdpa", "_well_formed", "    _well_formed (integrations.sdpa wrapper)"),
-    ("gproj_patch.ops.sdpa", "sdpa", "    ops.sdpa.sdpa (forward hook)"),
-    ("gproj_patch.ops.sdpa", "_needs_correction", "      _needs_correction"),
-    ("gproj_patch.ops.sdpa", "unsupported_reason", "      unsupported_reason"),
-    ("gproj_patch.ops.sdpa", "transform_reason", "      transform_reason"),
-    ("gproj_patch.ops.sdpa", "make_context", "      make_context"),
-    ("gproj_patch.policy", "keeps_original", "      policy.keeps_original"),
-    ("gproj_patch.ops.sdpa", "problem_for", "      problem_for"),
-    ("gproj_patch.ops.sdpa:_SdpaFunction", "apply", "      _SdpaFunction.apply"),
-    ("gproj_patch.ops.sdpa:_SdpaFunction", "forward", "        _SdpaFunction.forward"),
-    ("gproj_patch.ops.sdpa", "run_original_with_lse", "          run_original_with_lse"),
-    ("gproj_patch.ops.sdpa_call:_Original", "fn", "            original SDPA (C builtin)"),
-    ("gproj_patch.ops.sdpa_call", "fused_sdpa_lse", "            fused_sdpa_lse"),
-    ("gproj_patch.ops.sdpa", "make_plan", "          make_plan"),
-    ("gproj_patch.ops.sdpa", "_backward", "ops.sdpa._backward (Function body)"),
-    ("gproj_patch.ops.sdpa", "backward_tensors", "  backward_tensors"),
-    ("gproj_patch.ops.sdpa", "run_backward", "  router.run_backward"),
-    ("gproj_patch.dispatch.router", "_run_kernel", "    router._run_kernel"),
-    ("gproj_patch.backends.triton_bwd", "launch_planned", "      triton_bwd.launch_planned"),
-    ("gproj_patch.backends.triton_bwd", "_launch", "        triton_bwd._launch (launches)"),
+    ("gproj_patch.integrations.sdpa", "_backward", "seam kernel (integrations.sdpa._backward)"),
+    ("gproj_patch.integrations.sdpa", "bind", "  bind (the op's arguments by name)"),
+    ("gproj_patch.integrations.sdpa", "_cudnn_plan_known", "  _cudnn_plan_known"),
+    ("gproj_patch.integrations.sdpa", "corrected", "  corrected"),
+    ("gproj_patch.integrations.sdpa", "pass_reason", "    pass_reason"),
+    ("gproj_patch.integrations.sdpa", "backward_layer", "    backward_layer"),
+    ("gproj_patch.integrations.sdpa", "make_context", "    make_context"),
+    ("gproj_patch.integrations.sdpa", "make_plan", "    make_plan"),
+    ("gproj_patch.integrations.sdpa", "_run", "    _run"),
+    ("gproj_patch.integrations.sdpa", "run_backward", "      router.run_backward"),
+    ("gproj_patch.dispatch.router", "_run_kernel", "        router._run_kernel"),
+    ("gproj_patch.backends.triton_bwd", "launch_planned", "          triton_bwd.launch_planned"),
+    ("gproj_patch.backends.triton_bwd", "_launch", "            triton_bwd._launch (launches)"),
+    ("gproj_patch.integrations.sdpa", "_restore", "    _restore (PyTorch's strides)"),
 )
-#: the first backward layer of ``LAYERS`` (the ones before it run in the forward)
-BACKWARD_FIRST = "ops.sdpa._backward (Function body)"
+#: the first backward layer of ``LAYERS`` (the ones before it run in the forward: none, since the seam)
+BACKWARD_FIRST = "seam kernel (integrations.sdpa._backward)"
 #: launch options of ``kernel_arguments`` that are not kernel parameters (not in a prepared template)
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 _MISSING = object()

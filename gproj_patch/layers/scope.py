@@ -15,7 +15,7 @@ it): a call made by an HF attention module is named by ``module_layer(module)`` 
 "flex_attention", ..., ``integrations/hf_layer_names.py``) run inside that name (``call_in_module_layer``); the
 paths that make their records themselves pass ``module_layer_name(module)`` as the call's ``layer`` (HF eager,
 "gproj") or ``module_layer(module)`` (HF flex, whose compiled path reads no scope), and an open scope still
-wins there (``record.make_context``; ``traced_layer()`` first in the compiled SDPA path).
+wins there (``record.make_context``; under ``torch.compile`` the traced module's name, ``traced_layer()``).
 """
 from __future__ import annotations
 

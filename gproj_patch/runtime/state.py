@@ -11,8 +11,8 @@ starts a new step (or ``new_step()`` / ``set_step(n)`` say so explicitly; the Tr
 ... in forward order, so with the usual forward-all / backward-all pattern a layer keeps its id every step. The
 policy samples a layer every ``sample_every`` steps of this same counter.
 
-Three homes for what a module keeps between calls (no module re-binds a global at run time; only
-``gproj_patch/__init__.py``, which owns enable/disable, has ``global`` statements):
+Three homes for what a module keeps between calls (no module re-binds a global at run time; only ``patch.py``,
+which owns enable/disable, may have ``global`` statements):
 
 * runtime state — counters, steps, layer records, logged-once sets, per-thread call bookkeeping — lives here, in
   ``STATE``, and ``reset()`` clears it;

@@ -48,6 +48,7 @@ def _off(patch_off):  # tests/conftest.py: the patch off, fresh state, no GPROJ_
 # ------------------------------------------------------------------------------------- fresh interpreters
 _REPORT = """
 import json, sys
+import torch
 import torch.nn.functional as F
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
@@ -64,7 +65,8 @@ if "gproj_patch" in sys.modules:
     att, msk = AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping
     out["ours"] = [att.get("gproj") is hf_gproj.gproj_attention_forward, msk.get("gproj") is sdpa_mask]
     out["enabled"] = gproj_patch.is_enabled()
-    out["hooks"] = [getattr(F.scaled_dot_product_attention, "__gproj_patched__", False),
+    from gproj_patch.integrations import sdpa as seam
+    out["hooks"] = [seam.is_installed() or F.scaled_dot_product_attention is not torch._C._nn.scaled_dot_product_attention,
                     hasattr(modeling_llama.eager_attention_forward, "__gproj_original__"),
                     any(hasattr(v, "__gproj_named__") for v in att.values())]
     out["same_objects"] = [k for k, v in BEFORE.items() if att.get(k) is not v] if "BEFORE" in globals() else None
@@ -104,7 +106,7 @@ def clean():
 def test_import_registers_the_name_and_nothing_else(order, clean):
     got = _report(order)
     assert got["ours"] == [True, True] and got["enabled"] is False
-    assert got["hooks"] == [False, False, False]   # nothing on F.scaled_dot_product_attention, no eager wrapper, no registry wrapper
+    assert got["hooks"] == [False, False, False]   # no SDPA seam and F's SDPA the builtin, no eager wrapper, no registry wrapper
     assert got["attention"] == clean["attention"] and got["mask"] == clean["mask"]
     if order == "transformers first":
         assert got["same_objects"] == []           # every entry present before the import is the same object
