@@ -209,7 +209,9 @@ def pass_launches(query, key, value) -> Tuple[str, str]:
     Gluon where it takes the call and was measured faster (``gluon_dq.FASTER_HEAD_DIMS``,
     ``gluon_bwd.FASTER_HEAD_DIMS``), else tl (``RingRows`` falls back to tl on a step Gluon does not take)."""
     from ..backends import gluon_bwd, gluon_dq
-    dq = gluon_dq.dq_major_reason(query, key, value) is None and query.shape[-1] in gluon_dq.FASTER_HEAD_DIMS
+    # the row pass's Gluon dQ-major launch (PARTIAL mode) is slower than tl under GQA (BENCHMARKS.md, the ring)
+    dq = (gluon_dq.dq_major_reason(query, key, value) is None and query.shape[-1] in gluon_dq.FASTER_HEAD_DIMS
+          and key.shape[1] == query.shape[1])
     kv = gluon_bwd.kv_major_reason(query, key, value) is None and query.shape[-1] in gluon_bwd.FASTER_HEAD_DIMS
     return "gluon" if dq else "tl", "gluon" if kv else "tl"
 

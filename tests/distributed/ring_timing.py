@@ -13,7 +13,8 @@ GPU, so each time is the sum over ranks (one rank's share is 1/W of it).
 For each configuration, first correctness: fresh random BF16 inputs (a random seed, keys at a 200σ common offset),
 the kernels' outputs poisoned with NaN before their launches, both rings against fp64 of the whole attention (the
 corrected one must be within 0.5%: the script exits 1 otherwise); then ``triton.testing.do_bench`` medians of the
-whole ring backward, and of the corrected ring's row and column passes apart. The table comes last; with ``$OUT``
+whole ring backward, and of the corrected ring's row and column passes apart (where the plan picks a Gluon launch,
+also with the portable tl launches: the rows tagged tl/tl). The table comes last; with ``$OUT``
 set, ``$OUT/ring_timing.json`` and ``$OUT/ring_timing.txt`` too.
 """
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _time(cfg, pieces, launches, backend):
             if s is not None:
                 yield step_operands(rows, ks[(rank - i) % world], vs[(rank - i) % world], s)
 
-    def rows_pass():
+    def rows_pass(launches=launches):
         ranks = [RingRows(dos[r], qs[r], os_[r], lses[r], kernel=True, dq_major=launches[0], kv_major=launches[1])
                  for r in range(world)]
         for r, rows in enumerate(ranks):
@@ -96,15 +97,24 @@ def _time(cfg, pieces, launches, backend):
     with ring_sim.load_balance(causal), backend:
         step = ring_sim.fused_step_backward()
         finished = rows_pass()
-        return {"pytorch": do_bench(lambda: ring_sim.uncorrected(step, *pieces, causal)),
-                "corrected": do_bench(lambda: ring_sim.corrected(*pieces, causal, kernel=True, launches=launches)),
-                "row pass": do_bench(rows_pass), "column pass": do_bench(lambda: columns_pass(finished))}
+        times = {"pytorch": do_bench(lambda: ring_sim.uncorrected(step, *pieces, causal)),
+                 "corrected": do_bench(lambda: ring_sim.corrected(*pieces, causal, kernel=True, launches=launches)),
+                 "row pass": do_bench(rows_pass), "column pass": do_bench(lambda: columns_pass(finished))}
+        if launches != ("tl", "tl"):  # the plan picked a Gluon launch: the portable ones beside it
+            portable = ("tl", "tl")
+            times["corrected tl"] = do_bench(lambda: ring_sim.corrected(*pieces, causal, kernel=True,
+                                                                        launches=portable))
+            times["row pass tl"] = do_bench(lambda: rows_pass(portable))
+            finished_tl = rows_pass(portable)
+            times["column pass tl"] = do_bench(lambda: columns_pass(finished_tl))
+        return times
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small configurations")
     parser.add_argument("--backend", default=None, help="the SDPBackend PyTorch's ring steps use (default: SDPA's)")
+    parser.add_argument("--only", default=None, help="run only the configurations whose name contains this")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -113,7 +123,7 @@ def main(argv=None) -> int:
     backend = (lambda: sdpa_kernel([getattr(SDPBackend, args.backend)])) if args.backend else contextlib.nullcontext
     rows, ok = [], True
     device = torch.cuda.get_device_name()
-    for cfg in QUICK if args.quick else CONFIGS:
+    for cfg in [c for c in (QUICK if args.quick else CONFIGS) if args.only is None or args.only in c[0]]:
         seed = random.randrange(1 << 30)
         pieces, launches, corrected, pytorch = _check(cfg, seed, backend())
         good = max(corrected) < TARGET
@@ -125,14 +135,19 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     lines = [f"{device}, torch {torch.__version__}; ms: triton.testing.do_bench medians, all ranks' steps on one GPU",
-             f"{'config':28s} {'dq err pytorch':>14s} {'dq err gproj':>12s} {'pytorch ms':>10s} {'gproj ms':>9s} "
+             f"{'config launches':34s} {'dq err pytorch':>14s} {'dq err gproj':>12s} {'pytorch ms':>10s} {'gproj ms':>9s} "
              f"{'ratio':>6s} {'rows ms':>8s} {'cols ms':>8s}"]
+    fmt = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
     for r in rows:
-        t = (r.get("ms_pytorch"), r.get("ms_corrected"), r.get("ms_row_pass"), r.get("ms_column_pass"))
-        ratio = t[1] / t[0] if t[0] and t[1] else float("nan")
-        fmt = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
-        lines.append(f"{r['config']:28s} {100 * r['error_pytorch'][0]:13.2f}% {100 * r['error_corrected'][0]:11.3f}% "
-                     f"{fmt(t[0]):>10s} {fmt(t[1]):>9s} {ratio:6.3f} {fmt(t[2]):>8s} {fmt(t[3]):>8s}")
+        for tag, suffix in (("/".join(r["launches"]), ""), ("tl/tl", "_tl")):
+            t = (r.get("ms_pytorch"), r.get(f"ms_corrected{suffix}"), r.get(f"ms_row_pass{suffix}"),
+                 r.get(f"ms_column_pass{suffix}"))
+            if suffix and t[1] is None:
+                continue
+            ratio = t[1] / t[0] if t[0] and t[1] else float("nan")
+            lines.append(f"{r['config'] + ' ' + tag:34s} {100 * r['error_pytorch'][0]:13.2f}% "
+                         f"{100 * r['error_corrected'][0]:11.3f}% {fmt(t[0]):>10s} {fmt(t[1]):>9s} {ratio:6.3f} "
+                         f"{fmt(t[2]):>8s} {fmt(t[3]):>8s}")
     table = "\n".join(lines)
     print(table)
     if os.environ.get("OUT"):

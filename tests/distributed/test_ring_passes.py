@@ -153,3 +153,17 @@ def test_a_changed_ring_module_is_refused(monkeypatch):
     status = context_parallel.install()
     assert status.startswith("skipped") and "_partial_update" in status, status
     assert context_parallel.INSTALLED.module is None
+
+
+def test_pass_launches_keep_the_row_pass_on_tl_under_gqa(monkeypatch):
+    """Where both Gluon launches take a D=128 ring, the row pass gets the Gluon dQ-major launch only without GQA
+    (under GQA its PARTIAL mode measured slower than tl); the column pass's KV-major choice does not depend on it."""
+    from gproj_patch.backends import gluon_bwd, gluon_dq
+    monkeypatch.setattr(gluon_dq, "dq_major_reason", lambda q, k, v, **_: None)
+    monkeypatch.setattr(gluon_bwd, "kv_major_reason", lambda q, k, v, **_: None)
+    q = torch.empty(1, 16, 64, 128, dtype=torch.bfloat16)
+    mha, gqa = torch.empty(1, 16, 64, 128, dtype=torch.bfloat16), torch.empty(1, 4, 64, 128, dtype=torch.bfloat16)
+    assert context_parallel.pass_launches(q, mha, mha) == ("gluon", "gluon")
+    assert context_parallel.pass_launches(q, gqa, gqa) == ("tl", "gluon")
+    q64, k64 = torch.empty(1, 16, 64, 64, dtype=torch.bfloat16), torch.empty(1, 16, 64, 64, dtype=torch.bfloat16)
+    assert context_parallel.pass_launches(q64, k64, k64) == ("tl", "gluon")  # Gluon dQ: faster at D=128 only
