@@ -355,10 +355,11 @@ def _given_forward(given: dict, sink, q) -> Tuple[Optional[torch.Tensor], Option
 
 
 def _shard_rows(mass: torch.Tensor, lse: torch.Tensor, varlen: Varlen, tol: float) -> torch.Tensor:
-    """How many rows with a finite LSE have their keys' mass (0 for rows that saw none of them) more than ``tol``
-    from 1: the shard rows the walk left unprojected, and those it never reached (no key of theirs here). Rows
-    outside every varlen sequence are not rows."""
-    rows = torch.isfinite(lse) & ((mass - 1.0).abs() > tol)
+    """How many rows with a finite LSE have a positive mass of their keys here, more than ``tol`` from 1: the shard
+    rows the walk left unprojected. A row with no mass here (it sees no key of this call, e.g. a row a boolean mask
+    hides entirely, whose LSE PyTorch's CPU kernel leaves finite) has zero gradients here: nothing is left
+    unprojected. Rows outside every varlen sequence are not rows."""
+    rows = torch.isfinite(lse) & (mass > 0) & ((mass - 1.0).abs() > tol)
     if varlen.cu_seqlens_q is not None:
         inside = torch.zeros_like(rows)
         for seg in segments(lse.shape[0], lse.shape[2], 0, varlen.cu_seqlens_q, varlen.cu_seqlens_k):

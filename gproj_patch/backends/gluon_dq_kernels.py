@@ -245,15 +245,16 @@ def _consumer(q_s, do_s, k_s, v_s, e_s, qd_bar, ready, empty, O, LSE, SINK, DQ, 
         # λ_i = (ρ_i − T_i) / m_i: the multiple of r_i that carries the row sum t_i should not have (0: no mass)
         lam = gl.where(msum > 0.0, rho / gl.where(msum > 0.0, msum, 1.0), 0.0)
         # a row whose LSE does not give these keys its full mass M = 1 − P_sink (|m − M| beyond low(P)'s rounding,
-        # spec.shard_mass_tolerance) is a shard of a row: not projected (λ = 0); rows that saw no key are not
-        # shards. M is formed here, not kept through the key loop (registers)
+        # spec.shard_mass_tolerance) is a shard of a row: not projected (λ = 0); rows that saw no key (LSE2 = +inf,
+        # or no mass here: their gradients here are 0) are not shards. M is formed here, not kept through the key
+        # loop (registers)
         lse2_rows = gl.convert_layout(lse2, acc_rows)
         if HAS_SINK:
             mass = 1.0 - p_sink
             shard = gl.abs(msum - mass) > mass_rel_tol * mass + mass_abs_tol
         else:
             shard = gl.abs(msum - 1.0) > mass_rel_tol + mass_abs_tol
-        shard = shard & (lse2_rows < float("inf"))
+        shard = shard & (lse2_rows < float("inf")) & (msum > 0.0)
         lam = gl.where(shard, 0.0, lam)
         # the projection t − λ·r, applied to the fp32 products (Σ t·K − λ·Σ r·K), never rounded again
         dq = (acc - lam[:, None] * racc) * scale

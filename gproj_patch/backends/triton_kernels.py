@@ -235,14 +235,15 @@ def _bwd_dq(Q, K, V, DO, O, LSE, SINK, DQ, Delta, LSE2, LAM, TGT, CU_Q, CU_K, PA
             # a row whose LSE does not give these keys its full mass M = 1 − P_sink (|m − M| beyond low(P)'s
             # rounding, spec.shard_mass_tolerance) is a shard of a row (a ring's per-shard call): its keys' dS
             # has a true non-zero sum, so it is not projected (λ = 0: the uncorrected dq and dk); rows that saw
-            # no key (LSE2 = +inf) are not shards. M is formed here, not kept through the key loop (registers)
+            # no key (LSE2 = +inf, or no mass here: their gradients here are 0) are not shards. M is formed here,
+            # not kept through the key loop (registers)
             if HAS_SINK:
                 sink2 = tl.load(SINK + h * ssink).to(tl.float32) * RCP_LN2
                 mass = 1.0 - tl.math.exp2(sink2 - lse2)
                 shard = tl.abs(msum - mass) > mass_rel_tol * mass + mass_abs_tol
             else:
                 shard = tl.abs(msum - 1.0) > mass_rel_tol + mass_abs_tol
-            shard = shard & (lse2 < float("inf"))
+            shard = shard & (lse2 < float("inf")) & (msum > 0.0)
             lam = tl.where(shard, 0.0, lam)
             if COUNT_PARTIAL:  # one atomic per program: a count, never a gradient (those stay deterministic)
                 tl.atomic_add(PARTIAL_ROWS, _total((shard & (offs_m < q_len)).to(tl.int32)))

@@ -78,3 +78,31 @@ def test_whole_rows_are_still_corrected():
     want = shard_dq(p, slice(None))
     assert rel(patched, want) < 1e-2 < rel(plain, want) / 5
     assert st["partial_rows"] == 0
+
+
+def test_rows_a_mask_hides_entirely_are_not_shards():
+    """A boolean mask that hides every key of some rows (PyTorch's CPU flash kernel leaves their LSE finite and
+    their output zero): those rows get zero gradients, no shard row is counted, and the other rows are corrected
+    as whole rows against fp64."""
+    from gproj_patch.backends.reference import reference_backward
+    p = problem(2, 3, 3, 40, 24, offset=64.0, seed=5)
+    mask = torch.ones(2, 3, 40, 40, dtype=torch.bool)
+    mask[:, :, 5:8] = False  # rows 5..7 see no key
+    grads = {}
+    for arm in ("plain", "patched"):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v))
+        with gproj_patch.enable(targets=("sdpa",)) if arm == "patched" else torch.enable_grad():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out.backward(p.do)
+            st = gproj_patch.stats()
+        grads[arm] = (q.grad, k.grad, v.grad)
+    assert st["partial_rows"] == 0 and st["fp32"] == 1, st
+    assert not grads["patched"][0][:, :, 5:8].any()
+    visible = mask.clone()
+    visible[:, :, 5:8] = True  # the oracle on the rows that see keys (the hidden rows' gradients are zero)
+    want = reference_backward(*(t.double() for t in (p.q, p.k, p.v, p.do)), attn_mask=visible)
+    rows = torch.ones(40, dtype=torch.bool)
+    rows[5:8] = False
+    assert rel(grads["patched"][0][:, :, rows], want[0][:, :, rows]) < 1e-2
+    assert rel(grads["patched"][0][:, :, rows], want[0][:, :, rows]) < rel(grads["plain"][0][:, :, rows],
+                                                                              want[0][:, :, rows]) / 5
