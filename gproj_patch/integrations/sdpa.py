@@ -117,14 +117,15 @@ def _window(left, right) -> Tuple[int, int]:
 def _read_sdpa(b: Dict[str, Any], align: str, grad: str = "grad_out", bias: Optional[str] = None,
                mask: Optional[str] = None) -> SeamCall:
     """The SDPA-level ops: (B, H, S, D) already; ``bias`` / ``mask`` name the mask argument. ``bias_grad``: the
-    efficient op's ``grad_input_mask`` asks for the bias's gradient."""
+    efficient op's ``grad_input_mask`` asks for the bias's gradient — also when there is no bias, which
+    PyTorch's kernel rejects (the call then goes to it, and raises as it would unpatched)."""
     q = b["query"]
     m = b.get(bias) if bias else b.get(mask) if mask else None
     gim = b.get("grad_input_mask")
     return SeamCall(do=b[grad], q=q, k=b["key"], v=b["value"], out=b["out"], lse=b["logsumexp"],
                     scale=default_scale(q.shape[-1], b.get("scale")), causal=bool(b["is_causal"]), align=align,
                     window=(-1, -1), mask=m, dropout_p=float(b["dropout_p"]),
-                    bias_grad=bool(gim[3]) if gim is not None and m is not None else False)
+                    bias_grad=bool(gim[3]) if gim is not None else False)
 
 
 def _read_flash(b: Dict[str, Any], lse: str = "logsumexp", window: Optional[Tuple[int, int]] = None) -> SeamCall:

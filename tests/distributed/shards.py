@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from gproj_patch.backends.reference import reference_backward, reference_forward
+from gproj_patch.backends.spec import SHARD_MASS_REL_TOL
 
 #: the sink case's margin: every query prefers the sink key by about this many logits (its P ≈ 1 − 1e-5)
 SINK_LOGITS = 20.0
@@ -85,3 +86,27 @@ def shard_dq(p: Problem, keys: slice, rows: slice = slice(None)) -> torch.Tensor
         P = P.masked_fill(j[None, :] > i[:, None], 0.0)
     G = P * (do @ v.transpose(-1, -2) - (do * p.o[:, :, rows]).sum(-1, keepdim=True))
     return alpha * G @ k
+
+
+def shard_masses(p: Problem, keys: slice) -> torch.Tensor:
+    """fp64 (B, H, S): each row's probability mass over the keys of the shard it sees (its whole row's LSE), the
+    Σ_j P_ij the kernels compare with 1 to tell a shard row from a whole one (0: the row sees no key here)."""
+    B, H, S, D = p.q.shape
+    group = H // p.k.shape[1]
+    k = p.k.double().repeat_interleave(group, 1)[:, :, keys]
+    P = torch.exp(D ** -0.5 * p.q.double() @ k.transpose(-1, -2) - p.lse[..., None])
+    if p.causal:
+        i = torch.arange(S, device=P.device)
+        j = torch.arange(S, device=P.device)[keys]
+        P = P.masked_fill(j[None, :] > i[:, None], 0.0)
+    return P.sum(-1)
+
+
+def shard_row_bounds(p: Problem, keys: slice, rel_tol: float = SHARD_MASS_REL_TOL):
+    """(fewest, most) rows a kernel's shard count may give for this shard, from the fp64 masses: a row is surely
+    a shard when its mass is clearly positive and misses 1 by twice the tolerance, and may be one when it has mass
+    and misses 1 by half of it (rows near the threshold go either way with the kernel's roundings)."""
+    m = shard_masses(p, keys)
+    fewest = int(((m > 1e-30) & ((m - 1).abs() > 2 * rel_tol)).sum())
+    most = int(((m > 0) & ((m - 1).abs() > rel_tol / 2)).sum())
+    return fewest, most

@@ -2,6 +2,7 @@
 op the seam takes (the three SDPA backward ops, ``varlen_attn``'s), dropout passed through, and cuDNN's cached
 plan read with the right dO layout. Skipped without CUDA.
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -211,3 +212,20 @@ def test_efficient_boolean_causal_mask_runs_as_flags():
     ref = reference_backward(q, k, v, do, causal=True)
     for g, r in zip(grads, ref):
         assert _rel(g, r) < 5e-3
+
+
+def test_efficient_op_asked_for_a_missing_bias_gradient_raises_as_unpatched():
+    """The efficient backward op called directly with ``grad_input_mask[3]`` and no bias: PyTorch's kernel raises
+    (its own test suite checks that); with the seam the call goes to that kernel and raises the same error."""
+    q, k, v = (torch.rand(2, 8, 256, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True)
+    do = torch.rand_like(out)
+    call = (do, q, k, v, None, out, lse, seed, offset, 0.0, (True, True, True, True), False)
+    messages = []
+    for patched in (False, True):
+        with gproj_patch.enable(mode="gproj") if patched else contextlib.nullcontext():
+            with pytest.raises(RuntimeError) as raised:
+                torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(*call, scale=None)
+        messages.append(str(raised.value).splitlines()[0])
+    assert "bias_requires_grad is true but no bias was provided" in messages[0]
+    assert messages[1] == messages[0]

@@ -259,3 +259,22 @@ def test_checkpointed_blocks_one_step_per_training_step(reentrant):
     assert steps == [0, 1, 2]
     layers = policy.stats()
     assert sorted(layers) == ["sdpa0", "sdpa1"] and all(r["samples"] == 3 for r in layers.values()), layers
+
+
+def test_efficient_op_asked_for_a_missing_bias_gradient_goes_to_pytorchs_kernel():
+    """``grad_input_mask[3]`` with no bias: PyTorch's efficient kernel raises ("bias_requires_grad is true but no
+    bias was provided"); the seam hands the call to that kernel (here a stand-in that says it ran) and counts it.
+    The real kernel's error, unpatched and patched, is checked on CUDA (``test_gpu_integration.py``)."""
+    from gproj_patch.runtime import config
+    q, k, v, do = (t.detach() for t in _inputs(offset=0.0))
+    out = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[:3])
+    op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    spec = seam.spec_of(op)
+    ran = []
+    for gim in ((True, True, True, False), (True, True, True, True)):
+        b = seam.bind(op, (do, q, k, v, None, out, lse, torch.zeros(()), torch.zeros(()), 0.0, gim, False), {})
+        assert seam.spec_of(op).read(b).bias_grad == gim[3]
+    gproj_patch.reset_stats()
+    assert seam.corrected(spec, b, lambda: ran.append(1) or "pytorch's", config.resolve()) == "pytorch's"
+    assert ran == [1] and gproj_patch.stats()["fallback_reasons"], gproj_patch.stats()
