@@ -384,15 +384,18 @@ def step_times(seq: int, batch: int, *, reps: int, steps: int, compile_loss: boo
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
-    return {"ms": {m: statistics.median(v) for m, v in times.items()}, "peak_mib": peak if cuda else None,
+    return {"ms": {m: statistics.median(v) for m, v in times.items()}, "times_ms": times,
+            "peak_mib": peak if cuda else None,
             "allocated_mib": allocated if cuda else None, "graphs_recompiles": compiles if compile_loss else None}
 
 
 def step_line(context: str, r: dict) -> str:
     """One line of a ``step_times`` result: ms per arm, the patched arms' change, peak MiB, growth, compiles."""
     s = r["ms"]
-    line = f"step {context}: unpatched {s['unpatched']:.1f} ms" + "".join(
-        f", {m} {s[m]:.1f} ({100 * (s[m] / s['unpatched'] - 1):+.1f}%)" for m in s if m != "unpatched")
+    base = s.get("unpatched")  # a block of one patched arm alone (``benchmarks.step --fresh``'s processes) has none
+    line = f"step {context}: " + ", ".join(
+        f"{m} {s[m]:.1f}" + (f" ({100 * (s[m] / base - 1):+.1f}%)" if base and m != "unpatched" else "")
+        for m in s) + (" ms" if base is None else "")
     if r.get("peak_mib"):
         line += "; peak MiB " + " / ".join(f"{v:.0f}" for v in r["peak_mib"].values())
     if r.get("allocated_mib"):

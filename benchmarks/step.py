@@ -3,6 +3,7 @@
 
     python -m benchmarks.step [--contexts 4096x2,16384x1] [--reps 3] [--steps 8] [--compile] [--out DIR]
     python -m benchmarks.step --profile [--contexts 4096x2] [--reps 3] [--steps 6]
+    python -m benchmarks.step --fresh [--arms unpatched,gproj,auto] [--contexts 4096x2] [--reps 2]
     python -m benchmarks.step --smoke            # CPU: a 2-layer Llama at seq 64 (the plumbing)
 
 The model (``common.build_llama``): Llama-style from a config, 0.5B (hidden 2048, 16 query heads of 128, 8 KV
@@ -13,6 +14,12 @@ backward), alternated ``--reps`` times, ``--steps`` timed steps a block after on
 ms per arm, the peak allocated MiB and the MiB allocated after every timed step (flat when nothing leaks: the
 growth column). ``--compile``: the loss under ``torch.compile(fullgraph=True)``, one compiled function per arm,
 and Dynamo's graphs / recompiles per arm (the patch must compile each arm once).
+
+``--fresh``: every block in a process of its own (the arms alternated over processes), each arm's first backward
+the first of its process — as in a training script that calls ``enable()`` before it trains. In one process an
+arm enabled after the unpatched arm's CUDA backwards finds cuDNN plans it did not build (their cached dO layout
+unknown to it), and the patch's cuDNN guard sends those keys to the corrected tier, so ``auto`` there costs what
+``gproj`` does; ``--fresh`` measures ``auto`` as a user gets it. Step times pooled per arm over the processes.
 
 ``--profile`` (CUDA), at the first context, arms unpatched and ``gproj``: the wall ms a step as above (no
 profiler), then a ``torch.profiler`` trace of CUDA activity only over ``--steps`` more steps (no CPU events, so
@@ -28,6 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
+import sys
 
 import torch
 
@@ -117,12 +127,45 @@ def profile_step(context: str, reps: int, steps: int, log) -> dict:
     return {"context": context, "rows": rows, "other_kernel_changes": changes}
 
 
-def time_steps(args, device: str, log) -> dict:
+def fresh_times(args, ctx: str, out: str, log) -> dict:
+    """``step_times`` with every block (one arm, ``--steps`` timed steps) in a new process, the arms alternated
+    over ``--reps`` rounds; each arm's step times pooled over its processes."""
+    arms = args.arms.split(",")
+    pooled = {"ms": {}, "times_ms": {a: [] for a in arms}, "peak_mib": {}, "allocated_mib": {},
+              "graphs_recompiles": {} if args.compile else None, "processes": []}
+    for rep in range(args.reps):
+        for a in arms:
+            sub = os.path.join(out, f"fresh_{ctx}_{rep}_{a}")
+            cmd = [sys.executable, "-m", "benchmarks.step", "--contexts", ctx, "--reps", "1", "--steps",
+                   str(args.steps), "--arms", a, "--out", sub] + (["--compile"] if args.compile else []) + \
+                  (["--smoke"] if args.smoke else [])
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+            with open(os.path.join(sub, "step.json")) as f:
+                r = json.load(f)["steps"][ctx]
+            pooled["times_ms"][a] += r["times_ms"][a]
+            pooled["processes"].append({"arm": a, "rep": rep, "ms": r["ms"][a]})
+            if r["peak_mib"]:
+                pooled["peak_mib"][a] = max(pooled["peak_mib"].get(a, 0.0), r["peak_mib"][a])
+                pooled["allocated_mib"][a] = r["allocated_mib"][a]  # the last process's steps
+            if args.compile:
+                g, c = pooled["graphs_recompiles"].get(a, (0, 0))
+                pooled["graphs_recompiles"][a] = (g + r["graphs_recompiles"][a][0], c + r["graphs_recompiles"][a][1])
+            log(f"  process {rep}/{a}: median {r['ms'][a]:.2f} ms")
+    pooled["ms"] = {a: statistics.median(v) for a, v in pooled["times_ms"].items()}
+    return {k: (v or None) if k in ("peak_mib", "allocated_mib") else v for k, v in pooled.items()}
+
+
+def time_steps(args, device: str, log, out_folder: str) -> dict:
     out = {}
     for ctx in (c for c in args.contexts.split(",") if c):
         seq, batch = (int(x) for x in ctx.split("x"))
-        out[ctx] = r = common.step_times(seq, batch, reps=args.reps, steps=args.steps, compile_loss=args.compile,
-                                         device=device, small=args.smoke)
+        if args.fresh:
+            out[ctx] = r = fresh_times(args, ctx, out_folder, log)
+        else:
+            out[ctx] = r = common.step_times(seq, batch, reps=args.reps, steps=args.steps, compile_loss=args.compile,
+                                             device=device, small=args.smoke, arms=tuple(args.arms.split(",")))
         log(common.step_line(ctx, r))
     log(f"\n| seq × batch | arm | step ms (median) | vs unpatched | peak MiB | MiB after first / last timed step "
         f"|{' graphs / recompiles |' if args.compile else ''}")
@@ -130,7 +173,7 @@ def time_steps(args, device: str, log) -> dict:
     for ctx, r in out.items():
         for arm, ms in r["ms"].items():
             alloc = (r["allocated_mib"] or {}).get(arm)
-            cells = [ctx, arm, f"{ms:.2f}", f"{100 * (ms / r['ms']['unpatched'] - 1):+.1f}%",
+            cells = [ctx, arm, f"{ms:.2f}", f"{100 * (ms / r['ms']['unpatched'] - 1):+.1f}%" if "unpatched" in r["ms"] else "n/a",
                      f"{r['peak_mib'][arm]:.0f}" if r["peak_mib"] else "n/a",
                      f"{alloc[0]:.1f} / {alloc[-1]:.1f}" if alloc else "n/a"]
             if args.compile:
@@ -145,10 +188,21 @@ def parse(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="blocks an arm, the arms alternated")
     ap.add_argument("--steps", type=int, default=8, help="timed steps a block (after one warm-up step)")
     ap.add_argument("--compile", action="store_true", help="the loss under torch.compile(fullgraph=True)")
+    ap.add_argument("--arms", default=",".join(common.ARMS), help="comma-separated, of unpatched,gproj,auto "
+                    "(unpatched first: the others are compared with it)")
+    ap.add_argument("--fresh", action="store_true", help="every block in a new process (module docstring)")
     ap.add_argument("--profile", action="store_true", help="split the first context's step (CUDA)")
     ap.add_argument("--smoke", action="store_true", help="CPU: a 2-layer Llama at seq 64, 1 block of 2 steps")
     ap.add_argument("--out", default=None, help="folder for step.json and step.log (default $OUT/step)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    if not arms or any(a not in common.ARMS for a in arms) or len(set(arms)) != len(arms):
+        ap.error(f"--arms: distinct names of {', '.join(common.ARMS)}, got {args.arms!r}")
+    if args.fresh and arms[0] != "unpatched":
+        ap.error("--fresh compares the arms with the unpatched one: list unpatched first")
+    if args.fresh and args.profile:
+        ap.error("--fresh times steps; --profile splits one process's step: one or the other")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -165,7 +219,7 @@ def main(argv=None) -> dict:
     if args.profile:
         result["profile"] = profile_step(args.contexts.split(",")[0], args.reps, args.steps, log)
     else:
-        result["steps"] = time_steps(args, device, log)
+        result["steps"] = time_steps(args, device, log, out)
     common.save_json(os.path.join(out, "step.json"), result)
     log.write(os.path.join(out, "step.log"))
     return result
