@@ -131,25 +131,29 @@ def run_backward(record: CallRecord, t: BackwardTensors, original: Optional[Call
     if plan.error is not None:
         raise RuntimeError(plan.error)
     backward_ran()
-    lse = t.lse
-    if lse is not None and not (lse.dtype == torch.float32 and lse.shape == t.q.shape[:3]):  # else already so
-        lse = normalize_lse(lse, *t.q.shape[:3])
-    # rows found to be shards of a row are counted on the device — except inside a compiled graph: a counter
-    # made during its CUDA-graph warm-up would live in the graph's pool (those rows' guard applies all the same)
-    counter = None if record.context.in_graph else telemetry.partial_rows_counter(t.q.device)
-    t = BackwardTensors(t.do, t.q, t.k, t.v, t.o, lse, t.dead_rows, counter)
     tier, reason = plan.tier, plan.reason
-    if tier == "original":
+    if tier == "original":  # the caller's backward takes the tensors as they are: nothing to prepare
         reason = stand_in_reason or reason
         grads = original()
     elif tier == "gproj":
-        grads = _run_kernel(t, record.problem, plan.kernel)
+        grads = _run_kernel(_prepared(t, record), record.problem, plan.kernel)
     else:
-        grads = _run_fp32(t, record.problem, plan.fp32_kernel)
+        grads = _run_fp32(_prepared(t, record), record.problem, plan.fp32_kernel)
     grads = _cast(tuple(grads), t)
     # the shape class only keys the once-per-class log of a reason: built only when there is one
     telemetry.record_backward(tier, reason, telemetry.shape_class(record.context.source, t.q, t.k) if reason else ())
     if record.context.mode in policy.MODES:
         policy.after_backward(record, tier=tier, grads=grads, step=plan.step,
-                              fp32_grads=lambda: _run_fp32(t, record.problem, plan.fp32_kernel))
+                              fp32_grads=lambda: _run_fp32(_prepared(t, record), record.problem, plan.fp32_kernel))
     return grads
+
+
+def _prepared(t: BackwardTensors, record: CallRecord) -> BackwardTensors:
+    """The tensors as the GProj tiers take them: the LSE as (B, H, Sq) fp32, and the device's shard-row counter —
+    rows found to be shards of a row are counted on the device, except inside a compiled graph: a counter made
+    during its CUDA-graph warm-up would live in the graph's pool (those rows' guard applies all the same)."""
+    lse = t.lse
+    if lse is not None and not (lse.dtype == torch.float32 and lse.shape == t.q.shape[:3]):  # else already so
+        lse = normalize_lse(lse, *t.q.shape[:3])
+    counter = None if record.context.in_graph else telemetry.partial_rows_counter(t.q.device)
+    return BackwardTensors(t.do, t.q, t.k, t.v, t.o, lse, t.dead_rows, counter)

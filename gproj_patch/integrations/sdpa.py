@@ -515,14 +515,15 @@ def _cudnn_original(op, keyset, b: Dict[str, Any]):
     with CUDNN_KEYS.lock:
         CUDNN_KEYS.ours.add(key)  # a plan this call builds has dO in the output's layout
     b = dict(b, grad_out=_output_layout(b["grad_out"], b["out"]))
-    names = [a.name for a in op._schema.arguments]
-    args = [b[n] for n in names if not _kwarg_only(op, n)]
-    kwargs = {n: b[n] for n in names if _kwarg_only(op, n)}
-    return compat.redispatch_native(op, keyset, tuple(args), kwargs)
+    positional, keyword = _arg_split(op)
+    return compat.redispatch_native(op, keyset, tuple(b[n] for n in positional), {n: b[n] for n in keyword})
 
 
-def _kwarg_only(op, name: str) -> bool:
-    return any(a.name == name and a.kwarg_only for a in op._schema.arguments)
+@functools.lru_cache(maxsize=32)  # bounded: one entry per op overload the seam takes
+def _arg_split(op) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """The op's argument names: (positional, keyword-only), in schema order."""
+    args = op._schema.arguments
+    return tuple(a.name for a in args if not a.kwarg_only), tuple(a.name for a in args if a.kwarg_only)
 
 
 def _cudnn_plan_known(b: Dict[str, Any]) -> bool:
