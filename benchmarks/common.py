@@ -227,9 +227,10 @@ def routed_launches(q, k, v, do) -> Tuple[str, str]:
     """(KV-major, dQ-major) launch the patch's plan picks for an unmasked or causal call: Gluon where its
     predicate takes the call and the head dim is one it was measured faster at, else tl."""
     from gproj_patch.backends import gluon_bwd, gluon_dq
+    from gproj_patch.backends.configs import gluon_measured_faster
     d = q.shape[-1]
-    kv = "gluon" if gluon_bwd.kv_major_reason(q, k, v, do=do) is None and d in gluon_bwd.FASTER_HEAD_DIMS else "tl"
-    dq = "gluon" if gluon_dq.dq_major_reason(q, k, v, do=do) is None and d in gluon_dq.FASTER_HEAD_DIMS else "tl"
+    kv = "gluon" if gluon_bwd.kv_major_reason(q, k, v, do=do) is None and gluon_measured_faster("kv_major", d) else "tl"
+    dq = "gluon" if gluon_dq.dq_major_reason(q, k, v, do=do) is None and gluon_measured_faster("dq_major", d) else "tl"
     return kv, dq
 
 

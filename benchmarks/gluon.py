@@ -35,8 +35,8 @@ import time
 import torch
 
 from benchmarks import common
-from gproj_patch.backends.gluon_bwd import CONFIGS as KV_CONFIGS, KernelConfig
-from gproj_patch.backends.gluon_dq import CONFIGS as DQ_CONFIGS, DqConfig
+from gproj_patch.backends.configs import GLUON_DQ_CONFIGS as DQ_CONFIGS, GLUON_KV_CONFIGS as KV_CONFIGS
+from gproj_patch.backends.configs import DqConfig, KernelConfig
 from gproj_patch.backends.gluon_entry import gluon_backward, gluon_supported_reason
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 import gproj_patch
 from benchmarks import common
-from gproj_patch.backends import launch_cache, triton_bwd, triton_launch
+from gproj_patch.backends import configs, launch_cache, triton_bwd, triton_launch
 from gproj_patch.backends.spec import MaskSpec
 
 CAUSAL = MaskSpec(causal=True, causal_align="top_left", window=(-1, -1), softcap=0.0)
@@ -305,7 +305,7 @@ def backend_rows(q, k, v, do, n, reps, sync_fn) -> dict:
         triton_bwd._launch = orig
     km, job = jobs[-1]
     scratch = triton_launch.allocate_scratch(job)
-    bd = triton_bwd.block_d(D)
+    bd = configs.block_d(D)
     kinds = [(getattr(km, triton_launch.KERNELS[kind]), triton_launch.grid(kind, job),
               triton_launch.kernel_arguments(kind, job, scratch, block_d=bd), kind) for kind in ("dq", "dkdv")]
 

@@ -20,7 +20,7 @@ against cuDNN / flash / FA4 backwards and the FP32 tier, block-config sweeps, an
 3. ``--sweep`` / ``--fp32-sweep``: greedy block-config sweeps of the tl launches (the best dQ-major config with
    the current KV-major one, then the best KV-major one with it), the whole backward timed per candidate;
    ``--gluon-sweep``: the KV-major launch alone, tl against the Gluon builds of ``GLUON_SWEEP``, causal and dense,
-   each Gluon build's dk, dv checked bitwise against tl's. Printed last in the form of ``triton_bwd.CONFIGS``.
+   each Gluon build's dk, dv checked bitwise against tl's. Printed last in the form of ``configs.TL_CONFIGS``.
 4. ``--ncu``: inside the profiled range one backward per launch pairing (KV-major tl and Gluon with the tl dQ
    launch; the Gluon dQ launch plain and ``overlap`` with the routed KV launch) and one cuDNN backward at
    ``NCU_SHAPE``; ``--summarize`` turns ncu's raw CSV into duration, SM and tensor-pipe throughput, occupancy,
@@ -41,8 +41,8 @@ import traceback
 import torch
 
 from benchmarks import common
-from gproj_patch.backends import triton_bwd
-from gproj_patch.backends.gluon_bwd import KernelConfig
+from gproj_patch.backends import configs, triton_bwd
+from gproj_patch.backends.configs import KernelConfig
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward
 from tests.helpers import adversarial
@@ -315,7 +315,7 @@ def sweep(D, *, fp32=False, deadline=float("inf"), causal=True, kinds=("dq", "dk
     o, lse = common.saved_forward(q, k, v, causal)
     if fp32:
         q, k, v, do, o = (x.float() for x in (q, k, v, do, o))
-    table = triton_bwd.CONFIGS_FP32 if fp32 else triton_bwd.CONFIGS
+    table = configs.TL_CONFIGS_FP32 if fp32 else configs.TL_CONFIGS
     best = {"dq": table["dq"][D], "dkdv": table["dkdv"][D]}
     times = {}
     for which in kinds:
@@ -412,7 +412,8 @@ def ncu_launches() -> None:
     predicate allows) with the routed KV launch; one cuDNN backward. Kernel names tell the launches apart; the two
     Gluon dQ builds share a name and are profiled in that order (plain, then overlap)."""
     from gproj_patch.backends.gluon_bwd import kv_major_reason
-    from gproj_patch.backends.gluon_dq import CONFIGS, DqConfig, dq_major_reason
+    from gproj_patch.backends.configs import DqConfig, gluon_dq_config
+    from gproj_patch.backends.gluon_dq import dq_major_reason
     B, H, S, D, causal = NCU_SHAPE
     q, k, v, do = common.make_inputs(B, H, S, D)
     o, lse = common.saved_forward(q, k, v, causal)
@@ -420,7 +421,7 @@ def ncu_launches() -> None:
     kv_kernels = ("tl",) if kv_major_reason(q, k, v, do=do) else ("tl", "gluon")
     dq_builds = []
     if dq_major_reason(q, k, v, do=do) is None:
-        cfg = CONFIGS[D]
+        cfg = gluon_dq_config(D)
         dq_builds = [DqConfig(cfg.block_n, cfg.num_stages, overlap=False),
                      DqConfig(cfg.block_n, cfg.num_stages, overlap=True)]
 
@@ -511,13 +512,13 @@ def main(argv=None) -> int:
         for d, c in json.loads(args.configs).items():
             for which in ("dq", "dkdv"):
                 if which in c:
-                    triton_bwd.CONFIGS[which][int(d)] = tuple(c[which])
+                    configs.TL_CONFIGS[which][int(d)] = tuple(c[which])
     if not args.skip_suite:
         t0 = time.time()
         result["suite"] = run_suite(args.smoke)
         result["suite_bad"] = suite_bad(result["suite"])
         log(f"suite took {time.time() - t0:.1f} s; problems: {result['suite_bad'] or 'none'}")
-    result["configs"] = {w: {str(d): c for d, c in triton_bwd.CONFIGS[w].items()} for w in ("dq", "dkdv")}
+    result["configs"] = {w: {str(d): c for d, c in configs.TL_CONFIGS[w].items()} for w in ("dq", "dkdv")}
     if not args.skip_timing:
         shapes = common.parse_indices(args.shapes, SMOKE_SHAPES if args.smoke else common.SHAPES)
         for shape in shapes:

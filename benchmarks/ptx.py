@@ -96,7 +96,7 @@ HEADS, KV_HEADS, BATCH = 4, 2, 2
 
 def _job(v: Variant, head_dim: int, fp32_configs: bool):
     """A ``triton_launch.Launch`` of CPU tensors shaped like variant ``v`` (the way ``gproj_backward`` builds it)."""
-    from gproj_patch.backends import triton_bwd
+    from gproj_patch.backends import configs
     from gproj_patch.backends.triton_launch import Launch
     B = 1 if v.varlen else BATCH
     SQ = 2 * v.sq if v.varlen else v.sq
@@ -114,16 +114,16 @@ def _job(v: Variant, head_dim: int, fp32_configs: bool):
     left, right = v.window
     if v.causal:
         right = 0
-    bd = triton_bwd.block_d(head_dim)
+    bd = configs.block_d(head_dim)
     return Launch(
         do=torch.empty_like(q), q=q, k=k, v=torch.empty_like(k), o=torch.empty_like(q), lse=lse,
         dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(k),
         sink=torch.empty(HEADS, dtype=torch.float32) if v.sink else None, cu_q=cu_q, cu_k=cu_k, varlen=v.varlen,
         n_problems=n_problems, max_q=max_q, max_k=max_k, window=(left, right), bottom_right=v.bottom_right,
         alpha=head_dim ** -0.5, softcap=v.softcap, correct=v.correct, fused=v.fused,
-        cfg_dq=triton_bwd.block_config("dq", bd, fp32_configs),
-        cfg_dkdv=triton_bwd.block_config("dkdv", bd, fp32_configs),
-        dot_precision=triton_bwd.FP32_DOT_PRECISION if v.dtype == torch.float32 else "tf32", kv_major="tl")
+        cfg_dq=configs.block_config("dq", bd, fp32_configs),
+        cfg_dkdv=configs.block_config("dkdv", bd, fp32_configs),
+        dot_precision=configs.dot_precision(v.dtype), kv_major="tl")
 
 
 def _compile(fn, args: tuple, kwargs: dict):
@@ -194,12 +194,12 @@ class Entry:
 
 def tl_entries(quick: bool = False, head_dims: Optional[Tuple[int, ...]] = None,
                variants: Optional[Tuple[Variant, ...]] = None) -> List[Entry]:
-    """Both tl launches of every shipped config (``triton_bwd.CONFIGS`` and ``CONFIGS_FP32``, per padded head
+    """Both tl launches of every shipped config (``configs.TL_CONFIGS`` and ``TL_CONFIGS_FP32``, per padded head
     dim) under every flag set of ``VARIANTS`` / ``VARIANTS_FP32`` (``quick``: the first of each only), plus a
     head dim that is not a power of two (EVEN_D false). Arguments from ``triton_launch.kernel_arguments``, the
     launch's own builder. ``variants``: these flag sets of the bf16 table only (no fp32 table, no D = 96)."""
-    from gproj_patch.backends import triton_bwd
-    dims = sorted(triton_bwd.CONFIGS["dq"]) if head_dims is None else head_dims
+    from gproj_patch.backends import configs
+    dims = sorted(configs.TL_CONFIGS["dq"]) if head_dims is None else head_dims
     jobs = []
     tables = ((False, VARIANTS), (True, VARIANTS_FP32)) if variants is None else ((False, variants),)
     for table_fp32, flag_sets in tables:
@@ -216,11 +216,11 @@ def tl_entries(quick: bool = False, head_dims: Optional[Tuple[int, ...]] = None,
 
 def _launch_entries(job, head_dim: int, tag: str, kinds=("dq", "dkdv")) -> List[Entry]:
     """An ``Entry`` per launch ``kinds`` of ``job`` (``triton_launch.kernel_arguments``), named kernel_tag."""
-    from gproj_patch.backends import triton_bwd, triton_launch
+    from gproj_patch.backends import configs, triton_bwd, triton_launch
     km = triton_bwd.kernel_module(False)
     scratch = triton_launch.allocate_scratch(job)
     return [Entry(f"{triton_launch.KERNELS[kind]}_{tag}", getattr(km, triton_launch.KERNELS[kind]), (),
-                  triton_launch.kernel_arguments(kind, job, scratch, block_d=triton_bwd.block_d(head_dim)),
+                  triton_launch.kernel_arguments(kind, job, scratch, block_d=configs.block_d(head_dim)),
                   "x".join(map(str, getattr(job, f"cfg_{kind}"))))
             for kind in kinds]
 
@@ -242,15 +242,15 @@ def config_entries(candidates: dict, variants: Tuple[Variant, ...] = DEFAULT_FLA
 
 
 def gluon_entries() -> List[Entry]:
-    """The Gluon KV-major kernel for each shipped ``gluon_bwd.CONFIGS`` entry (causal, as the launch builds its
-    arguments), with the launch's num_warps and maxnreg; none where Gluon is unavailable."""
-    from gproj_patch.backends import gluon_bwd
+    """The Gluon KV-major kernel for each shipped ``configs.GLUON_KV_CONFIGS`` entry (causal, as the launch builds
+    its arguments), with the launch's num_warps and maxnreg; none where Gluon is unavailable."""
+    from gproj_patch.backends import configs, gluon_bwd
     if gluon_bwd.UNAVAILABLE_REASON is not None:
         print(f"gluon skipped: {gluon_bwd.UNAVAILABLE_REASON}")
         return []
     from gproj_patch.backends import gluon_kernels
     entries = []
-    for d, cfg in sorted(gluon_bwd.CONFIGS.items()):
+    for d, cfg in sorted(configs.GLUON_KV_CONFIGS.items()):
         for causal in (False, True):
             v = Variant("gluon", causal=causal)
             job = _job(v, d, False)

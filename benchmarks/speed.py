@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 import gproj_patch
 from benchmarks import common
-from gproj_patch.backends import gluon_bwd, triton_bwd
+from gproj_patch.backends import configs
 from gproj_patch.backends.reference import reference_backward
 from tests.helpers.numerics import kernel_inputs
 
@@ -56,7 +56,7 @@ SMOKE_SHAPES = [(1, 2, 16, 16, True, 1)]
 HOST_SHAPE, SMOKE_HOST_SHAPE = (1, 2, 128, 64), (1, 1, 16, 16)
 #: every head dim the kernels take: with it as the plan's measured-faster list, the plan picks Gluon wherever
 #: ``gluon_bwd.kv_major_reason`` allows it
-ALL_HEAD_DIMS = tuple(range(1, triton_bwd.MAX_HEAD_DIM + 1))
+ALL_HEAD_DIMS = tuple(range(1, configs.MAX_HEAD_DIM + 1))
 #: forward products (QKᵀ, PV) and the standard backward's (QKᵀ again, dO·Vᵀ, dS·K, dSᵀ·Q, Pᵀ·dO)
 FWD_PRODUCTS, BWD_PRODUCTS = 2, 5
 #: (column, numerator, denominator) of the table's forward+backward ratios, then the backward alone's
@@ -109,7 +109,7 @@ def armed(variant: Variant, run: Run, poison: bool = False):
             if poison:
                 stack.enter_context(common.poisoned_outputs())
         if variant.force_gluon:
-            stack.enter_context(mock.patch.object(gluon_bwd, "FASTER_HEAD_DIMS", ALL_HEAD_DIMS))
+            stack.enter_context(mock.patch.object(configs, "GLUON_KV_FASTER_HEAD_DIMS", ALL_HEAD_DIMS))
         if variant.library == "sdpa" and run.device == "cuda":
             from torch.nn.attention import SDPBackend, sdpa_kernel
             stack.enter_context(sdpa_kernel(SDPBackend.CUDNN_ATTENTION))

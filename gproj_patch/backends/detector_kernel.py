@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 import torch
 
 from .compat import triton_interpreter_index_patch
-from .triton_bwd import block_d
+from .configs import block_d
 
 try:  # pragma: no cover - import guard
     import triton

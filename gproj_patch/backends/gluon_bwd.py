@@ -36,6 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 from .compat import gluon_unsupported_reason
+from .configs import GLUON_HEAD_DIMS, GLUON_KV_FASTER_HEAD_DIMS, KernelConfig, gluon_kv_config
 from .launch_cache import PREPARED
 
 #: why the Gluon kernel cannot run in this process at all (None when it can): a Triton release it was not
@@ -51,12 +52,9 @@ if UNAVAILABLE_REASON is None:
     except Exception as exc:  # pragma: no cover - a triton without Gluon's Hopper API
         UNAVAILABLE_REASON = f"no Gluon ({type(exc).__name__}: {exc})"[:200]
 
-#: head dims the kernel is instantiated for
-GLUON_HEAD_DIMS = (64, 128)
-#: head dims where it is the default (``plan.kv_major_choice``): faster than the tl KV-major kernel on the
-#: H200 at every shape timed with ``CONFIGS`` (D=128 ×0.82–0.91 of the tl launch; D=64 with 128-row retired
-#: tiles ×0.894 causal, ×0.876 full — its 64-row build without them was ×1.16–1.18)
-FASTER_HEAD_DIMS = (64, 128)
+#: head dims where it is the default: ``configs.GLUON_KV_FASTER_HEAD_DIMS`` (the plan asks
+#: ``configs.gluon_measured_faster``), named here for ``integrations.context_parallel``, which reads it here
+FASTER_HEAD_DIMS = GLUON_KV_FASTER_HEAD_DIMS
 #: the one compute capability the kernel is written for (TMA, wgmma, setmaxnreg: sm_90a)
 GLUON_CAPABILITY = (9, 0)
 #: TMA: base address and every stride but the last must be multiples of this many bytes
@@ -89,33 +87,6 @@ if UNAVAILABLE_REASON is None:
     MAXNREG = SM_REGISTERS // (TOTAL_WARPS * WARP_SIZE) // 8 * 8
 #: shared memory a CTA may use on sm_90 (227 KB)
 SMEM_LIMIT_BYTES = 227 * 1024
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Query rows of one streamed Q/dO tile, the depth of the TMA ring, and how the consumers hand slots back:
-    one slot every tile, or (``release_pairs``) two slots every second tile — half the mbarrier arrives and
-    the warpgroup syncs Gluon puts around each; needs an even ring of at least 4 slots. ``retire_tiles``: each
-    tile's dk, dv products retired within the tile (tile 0 peeled to start the accumulators, dPᵀ − D − λ formed
-    before Pᵀ) — at D=128 with 64-row tiles ptxas otherwise serializes every wgmma for want of registers (info
-    C7512, silent in Triton 3.6; ``tests/helpers/kernel_build.wgmma_serialized``). Same numerics either way
-    (the same products in the same order: bitwise equal results)."""
-    block_m: int
-    num_stages: int
-    release_pairs: bool = False
-    retire_tiles: bool = False
-
-    def __post_init__(self):
-        if self.release_pairs and (self.num_stages % 2 != 0 or self.num_stages < 4):
-            raise ValueError(f"release_pairs needs an even ring of at least 4 slots, got {self.num_stages}")
-
-
-#: per head dim, spill-free on sm_90a (Triton 3.6's ptxas, ``python -m benchmarks.ptx --gluon``), each tile's
-#: products retired within it (unserialized wgmma). D=128: KV launch ×0.853–0.864 of the 64-row, 2-slot kernel
-#: without it at four D=128 shapes on the H200, bitwise equal results. D=64: 128-row tiles, a 3-slot ring,
-#: ×0.876–0.894 of the tl launch (the 64-row 2-slot build without retired tiles, whose wgmmas ptxas serializes, was
-#: ×1.16–1.18)
-CONFIGS = {64: KernelConfig(128, 3, retire_tiles=True), 128: KernelConfig(64, 2, retire_tiles=True)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -323,7 +294,7 @@ def launch_dkdv(job, delta: torch.Tensor, lse2: torch.Tensor, lam: torch.Tensor,
     spills land in ``triton_bwd.LAST_KERNELS["dkdv"]``). A shape class launched before replays its prepared
     launch (``launch_cache``: the descriptors and dk, dv are the slots; no argument binding), keyed by the class
     and the device."""
-    cfg = config or CONFIGS[job.q.shape[-1]]
+    cfg = config or gluon_kv_config(job.q.shape[-1])
     key = _class_key(job, cfg)
     cls = _launch_class(*key)
     fn = _gk._dkdv_kernel

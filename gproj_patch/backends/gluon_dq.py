@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import gluon_bwd
+from .configs import GLUON_DQ_FASTER_HEAD_DIMS, DqConfig, gluon_dq_config
 from .gluon_bwd import (LAUNCH_CLASS_CACHE_SIZE, LOG2_E, UNAVAILABLE_REASON, bound_descriptor, gluon_reason,
                         tile_template)
 from .launch_cache import PREPARED
@@ -46,25 +47,9 @@ if UNAVAILABLE_REASON is None:
     MASS_COL = _gq.MASS_COL.value
 
 
-@dataclass(frozen=True)
-class DqConfig:
-    """Keys of one streamed K/V tile, the depth of the TMA ring, and ``overlap``: each consumer's exp2 under its
-    own dP product and dS under its r products (``gluon_dq_kernels._tile``; the same numerics)."""
-    block_n: int
-    num_stages: int
-    overlap: bool = False
-
-
-#: per head dim, timed on the H200 against 64/32-key tiles and 2/3-slot rings (``python -m benchmarks.gluon
-#: --launch dq``). ``overlap``: ×0.92 of the plain build at 4K causal and 8K full, ×0.95–1.0 at 16K and GQA,
-#: bitwise the same. The D=128 build spills (an 80-byte stack frame with ``overlap``, 128–144
-#: without: Σ t·K and Σ r·K hold 128 registers); a 32-key tile spills nothing and was slower
-CONFIGS = {64: DqConfig(64, 2, overlap=True), 128: DqConfig(64, 2, overlap=True)}
-#: head dims where it is the default (``plan.dq_major_choice``): faster than the tl dQ-major launch at every
-#: shape timed on the H200 (D=128: the launch alone ×0.86–0.95 with ``overlap``; the routing's backward
-#: ×0.96–0.99 of the tl-dQ one with the plain build, ×0.93–0.95 with ``overlap``). D=64 is not shown to be: the
-#: launch alone ×0.98, the backward +2% (plain build)
-FASTER_HEAD_DIMS = (128,)
+#: head dims where it is the default: ``configs.GLUON_DQ_FASTER_HEAD_DIMS`` (the plan asks
+#: ``configs.gluon_measured_faster``), named here for ``integrations.context_parallel``, which reads it here
+FASTER_HEAD_DIMS = GLUON_DQ_FASTER_HEAD_DIMS
 
 
 def dq_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Optional[torch.Tensor] = None,
@@ -166,7 +151,7 @@ def dq_arguments(job, scratch, cfg: DqConfig) -> dict:
 def launch_dq(job, scratch, config: Optional[DqConfig] = None):
     """The dQ-major launch of ``job`` (``dq_arguments``): dq, and D, LSE2, λ (T with a sink) in ``scratch``.
     Returns the compiled kernel. A shape class launched before replays its prepared launch (``launch_cache``)."""
-    cfg = config or CONFIGS[job.q.shape[-1]]
+    cfg = config or gluon_dq_config(job.q.shape[-1])
     key = _class_key(job, cfg)
     cls = _launch_class(*key)
     fn = _gq._dq_kernel

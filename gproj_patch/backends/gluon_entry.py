@@ -30,7 +30,7 @@ def gluon_supported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, **kwargs):
     """``gproj_backward`` with the Gluon KV-major launch required (ValueError where ``gluon_supported_reason`` is
-    not None; tests and benchmarks). ``_gluon_config`` (a ``gluon_bwd.KernelConfig``) overrides its tiles, its
+    not None; tests and benchmarks). ``_gluon_config`` (a ``configs.KernelConfig``) overrides its tiles, its
     ring and its slot release."""
     reason = gluon_supported_reason(q, k, v, do=do, **{n: x for n, x in kwargs.items() if not n.startswith("_")})
     if reason is not None:

@@ -34,7 +34,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import triton_bwd, triton_launch
+from . import configs, triton_bwd, triton_launch
 from .compat import triton_interpreter_index_patch
 from .emulation import full_fp32
 from .fp32_tier import given_lse_chunks
@@ -49,8 +49,8 @@ def kernel_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cpu_kern
     """None when ``RingRows(kernel=True)`` takes these inputs (``triton_bwd.kernel_unsupported_reason``'s kernel,
     head dim at least 16: the ring's launches take no padded copies); otherwise why not (the FP32 form then)."""
     reason = triton_bwd.kernel_unsupported_reason(q, k, v, cpu_kernel=cpu_kernel)
-    if reason is None and q.shape[-1] < triton_bwd.MIN_BLOCK_D:
-        reason = f"head_dim={q.shape[-1]} < {triton_bwd.MIN_BLOCK_D}"
+    if reason is None and q.shape[-1] < configs.MIN_BLOCK_D:
+        reason = f"head_dim={q.shape[-1]} < {configs.MIN_BLOCK_D}"
     return reason
 
 
@@ -147,19 +147,19 @@ class RingRows:
         q, o, lse = self.q[sel], self.o[sel], self.lse[sel]
         do = self.do[sel] if do is None else do
         interpret = q.device.type != "cuda"
-        cfg_dq, cfg_dkdv = triton_bwd.launch_configs(q.shape[-1], q.dtype, interpret)
+        cfg_dq, cfg_dkdv = configs.launch_configs(q.shape[-1], q.dtype, interpret)
         return triton_launch.Launch(
             do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv, sink=None, cu_q=q, cu_k=q, varlen=False,
             n_problems=q.shape[0], max_q=q.shape[2], max_k=k.shape[2], window=(-1, 0 if causal else -1),
             bottom_right=False, alpha=self.alpha, softcap=0.0, correct=True, fused=True, cfg_dq=cfg_dq,
-            cfg_dkdv=cfg_dkdv, dot_precision=triton_bwd.FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32",
+            cfg_dkdv=cfg_dkdv, dot_precision=configs.dot_precision(q.dtype),
             dq_major=launches[0], kv_major=launches[1], partial=partial, own_outputs=True)
 
     def _launch(self, job: triton_launch.Launch, part: str, scratch: triton_launch.Scratch) -> None:
         interpret = job.q.device.type != "cuda"
         with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):
             triton_launch.launch(triton_bwd.kernel_module(interpret), interpret, job,
-                                 block_d=triton_bwd.block_d(job.q.shape[-1]), parts=(part,),
+                                 block_d=configs.block_d(job.q.shape[-1]), parts=(part,),
                                  last_kernels=triton_bwd.LAST_KERNELS, scratch=scratch)
 
     def _kernel_rows(self, k, v, causal: bool, span: Tuple[int, int], sel) -> None:

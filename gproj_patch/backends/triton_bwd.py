@@ -35,8 +35,8 @@ sink) — never O(S²).
 
 **Features.** bf16 and fp16; every head dim 1..256 (padded to a power of two inside the kernel; head dims
 below 16 are zero-padded to 16 on the host first, ``pad_head_dim``; block configs are tuned per padded size
-in ``CONFIGS`` and ``block_config`` picks the nearest tuned one for a size without its own entry); any
-lengths, Sq ≠ Sk; ``causal`` with
+in ``configs.TL_CONFIGS`` and ``configs.block_config`` picks the nearest tuned one for a size without its own
+entry); any lengths, Sq ≠ Sk; ``causal`` with
 ``causal_align`` "top_left" (SDPA) or "bottom_right" (flash-attn); sliding ``window=(left, right)``; GQA/MQA
 (the KV-major program loops over the query heads of its group: dk/dv are reduced in registers, K/V are never
 copied); varlen (B = 1 with ``cu_seqlens_q/k``; ``max_seqlen_*`` avoid a device sync); arbitrary strides on
@@ -62,10 +62,10 @@ last sequence excluded). The result is then (dq, dk, dv, dsink), dsink shaped an
 Softcap with a sink is refused (``spec.SINK_SOFTCAP_REASON``).
 
 **FP32 inputs** (``fp32=True`` in ``kernel_unsupported_reason``; the FP32 tier's kernel form, ``router``): the
-same kernels on fp32 tensors, every product at ``FP32_DOT_PRECISION`` (3×TF32: fp32-level accuracy), t = dS and
-r = P unrounded, block configs from ``CONFIGS_FP32``. The projection then removes what the saved output's
-rounding puts into D (a multiple of P per row, see above), so low-precision saved O and LSE give fp32-accurate
-gradients.
+same kernels on fp32 tensors, every product at ``configs.FP32_DOT_PRECISION`` (3×TF32: fp32-level accuracy),
+t = dS and r = P unrounded, block configs from ``configs.TL_CONFIGS_FP32``. The projection then removes what the
+saved output's rounding puts into D (a multiple of P per row, see above), so low-precision saved O and LSE give
+fp32-accurate gradients.
 
 **Shards of a row** (``spec.shard_mass_tolerance``, math.md §8): a row whose keys' mass Σ low(P) misses its LSE's
 1 − P_sink (a ring's per-shard call) is not projected (λ = 0); ``partial_rows`` counts such rows.
@@ -93,6 +93,7 @@ import torch
 
 from . import triton_launch
 from .compat import load_interpreted_module, triton_interpreter_index_patch
+from .configs import MAX_HEAD_DIM, MIN_BLOCK_D, block_d, dot_precision, launch_configs
 from .spec import (MASK_KWARGS, MAX_SEQLEN_KWARGS, VARLEN_KWARGS, MaskArgs, MaskSpec, Varlen, default_scale,
                    normalize_lse, sink_unsupported_reason, split_keywords, validate_cu_seqlens, validate_qkv)
 
@@ -108,37 +109,8 @@ LAUNCH_KERNELS = ("tl", "gluon")
 #: dk form used when none is asked for (chosen on the H200 suite, see BENCHMARKS.md)
 DEFAULT_DK_FORM = "fused"
 
-# Block configs per padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dq and dkdv kernels, chosen by
-# greedy sweeps on the H200 (``python -m benchmarks.kernel --sweep``; benchmarks/NOTES.md). 128's dq: two warpgroups,
-# three stages (2.248 against 2.290 ms for the whole backward at 4·16·4096·128 causal, 0 B spilled against 16); 128's
-# dkdv: a third stage (2.169 against 2.260 ms, same shape, no spills). 32 and 256 have configs of their own (at
-# 4·16·4096·32 causal ×1.14 faster than the 64 config; at 2·16·4096·256 causal ×1.36 faster than the first guess,
-# dkdv without spills). 16 takes the 32 config.
-CONFIGS = {
-    "dq": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 1)},
-    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 64, 4, 3), 128: (32, 64, 4, 3),
-             256: (32, 32, 4, 1)},
-}
-#: block configs for fp32 inputs with ``FP32_DOT_PRECISION``'s products: 64 and 128 from a sweep at 1·16·4096·D causal
-#: ((64, 32) best of four for both kernels at both: 3.55 and 12.6 ms, against 13.8 and 33.9 for the best IEEE configs,
-#: ``python -m benchmarks.kernel --fp32-sweep``); 256 not swept (small tiles: fp32 operands fill the registers); 16 and
-#: 32 take 64's
-CONFIGS_FP32 = {
-    "dq": {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 16, 4, 1)},
-    "dkdv": {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 16, 4, 1)},
-}
-#: ``tl.dot`` input precision of fp32 inputs (the FP32 tier's kernel form): "tf32x3", each operand split into a
-#: TF32 head and tail and three tensor-core products summed in fp32 (≈ 2^-21 relative per product, fp32-level);
-#: Triton's "ieee" runs on the FMA units at ~10 TFLOP/s on the H200, slower than cuBLAS's fp32 GEMMs of the
-#: chunked tier. Under the interpreter every precision is plain fp32.
-FP32_DOT_PRECISION = "tf32x3"
-#: smallest padded head dim the kernels use (tl.dot needs an inner dimension of at least 16)
-MIN_BLOCK_D = 16
-#: largest head dim the kernels take
-MAX_HEAD_DIM = 256
 #: CUDA's limit on a launch grid's y and z sizes (the kernels put heads, batch and batch·heads there)
 GRID_YZ_MAX = 65535
-_INTERP_BLOCK = 16
 #: tests and benchmarks set this to fill dense outputs with NaN before the launch (checks every element is written)
 _POISON_OUTPUTS = False
 #: launches to run (benchmarks time the kernels one at a time by removing the others; results then invalid)
@@ -165,40 +137,12 @@ def kernel_module(interpret: bool, source: str = "triton_kernels"):
         return mod
 
 
-def block_d(head_dim: int) -> int:
-    """The padded head dim of a kernel tile: the next power of two, at least MIN_BLOCK_D."""
-    return max(MIN_BLOCK_D, 1 << (head_dim - 1).bit_length())
-
-
 def pad_head_dim(x: torch.Tensor) -> torch.Tensor:
     """``x`` zero-padded to MIN_BLOCK_D along the head dim. Head dims below 16 run the kernels on such copies:
     ptxas of Triton 3.6 (sm_90a) segfaulted compiling the masked 16-wide tiles of D = 1 and D = 8 on the
     H200, while D = 16 compiled and passed. Zero columns change no score q·k, no dP = dO·v and no D = dO·O;
     their gradients are dropped. The copies are small: D < 16."""
     return torch.nn.functional.pad(x, (0, MIN_BLOCK_D - x.shape[-1]))
-
-
-def block_config(kind: str, block_d: int, fp32: bool = False) -> Tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel ``kind`` ("dq" | "dkdv") for a padded head dim
-    (``CONFIGS``, or ``CONFIGS_FP32`` for fp32 inputs).
-
-    Its own entry of ``CONFIGS`` when there is one; otherwise the nearest tuned config by the rule "the
-    smallest tuned block_d above, else the largest tuned": tiles sized for a wider head need at least the
-    registers and shared memory this one does, so they fit; never a KeyError."""
-    table = (CONFIGS_FP32 if fp32 else CONFIGS)[kind]
-    if block_d in table:
-        return table[block_d]
-    wider = [d for d in table if d > block_d]
-    return table[min(wider)] if wider else table[max(table)]
-
-
-def launch_configs(head_dim: int, dtype: torch.dtype, interpret: bool, config: Optional[dict] = None):
-    """(dQ-major, KV-major) block configs of a launch: ``config``'s ({"dq"|"dkdv": ...}, tests) where given, else
-    ``block_config``'s; 16×16 tiles under the interpreter."""
-    if interpret:
-        return (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1), (_INTERP_BLOCK, _INTERP_BLOCK, 4, 1)
-    cfg, bd, fp32 = config or {}, block_d(head_dim), dtype == torch.float32
-    return cfg.get("dq") or block_config("dq", bd, fp32), cfg.get("dkdv") or block_config("dkdv", bd, fp32)
 
 
 def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
@@ -251,8 +195,8 @@ class KernelOptions:
     ``correct`` (False: the same kernels without the projection, for measurement), ``deterministic``
     (accepted, changes nothing: the kernels use no atomics), ``dk_form`` (None: ``DEFAULT_DK_FORM``),
     ``kv_major``, ``dq_major`` (the launches' kernels), and three overrides for tests and benchmarks: ``_config``
-    ({"dq"|"dkdv": (BLOCK_M, BLOCK_N, warps, stages)}), ``_gluon_config`` (a ``gluon_bwd.KernelConfig``) and
-    ``_gluon_dq_config`` (a ``gluon_dq.DqConfig``)."""
+    ({"dq"|"dkdv": (BLOCK_M, BLOCK_N, warps, stages)}), ``_gluon_config`` (a ``configs.KernelConfig``) and
+    ``_gluon_dq_config`` (a ``configs.DqConfig``)."""
     correct: bool = True
     deterministic: bool = False
     dk_form: Optional[str] = None
@@ -402,7 +346,7 @@ def _launch_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         n_problems=Z, max_q=MQ, max_k=MK, window=(left, right), bottom_right=mask.causal_align == "bottom_right",
         alpha=default_scale(D, scale), softcap=float(mask.softcap), correct=bool(options.correct),
         fused=dk_form == "fused", cfg_dq=cfg_dq, cfg_dkdv=cfg_dkdv,
-        dot_precision=FP32_DOT_PRECISION if q.dtype == torch.float32 else "tf32", kv_major=options.kv_major,
+        dot_precision=dot_precision(q.dtype), kv_major=options.kv_major,
         gluon_config=options._gluon_config, dq_major=options.dq_major or "tl",
         gluon_dq_config=options._gluon_dq_config, partial_rows=partial_rows)
     with (triton_interpreter_index_patch() if interpret else contextlib.nullcontext()):

@@ -13,7 +13,7 @@
   dk = α(tᵀQ − low(λr)ᵀQ) ("two_product") or α·low(P∘(dP − D − λ))ᵀQ ("fused").
 
 ``DOT_PRECISION``: the ``tl.dot`` input precision, "tf32" (Triton's default; irrelevant for bf16/fp16 operands)
-or ``triton_bwd.FP32_DOT_PRECISION`` for the FP32 tier's fp32 inputs ("tf32x3": fp32-level, on the tensor cores).
+or ``configs.FP32_DOT_PRECISION`` for the FP32 tier's fp32 inputs ("tf32x3": fp32-level, on the tensor cores).
 Masks (causal in both alignments, window) are a window (left, right) around the diagonal ``i + shift``; causal is
 right = 0. A program walks its tiles in three ranges, masked edge / unmasked interior / masked edge, through one
 loop per kernel (``_dq_tiles``, ``_dkdv_tiles``); constexpr flags are passed by keyword at every call. The

@@ -46,9 +46,9 @@ class Launch:
     cfg_dkdv: Tuple[int, int, int, int]
     dot_precision: str = "tf32"  # tl.dot input precision: irrelevant for bf16/fp16, chosen for fp32 inputs
     kv_major: str = "tl"  # the KV-major launch's kernel: "tl" (below) or "gluon" (gluon_bwd.launch_dkdv)
-    gluon_config: Optional[object] = None  # gluon_bwd.KernelConfig override (benchmarks)
+    gluon_config: Optional[object] = None  # configs.KernelConfig override (benchmarks)
     dq_major: str = "tl"  # the dQ-major launch's kernel: "tl" (below) or "gluon" (gluon_dq.launch_dq)
-    gluon_dq_config: Optional[object] = None  # gluon_dq.DqConfig override (benchmarks)
+    gluon_dq_config: Optional[object] = None  # configs.DqConfig override (benchmarks)
     partial_rows: Optional[torch.Tensor] = None  # int32 (1,) on the device: the dQ-major launch adds its shard rows
     # a ring's row pass (backends/ring.py): the dQ-major launch stores its key shard's sums instead of dq and λ:
     # A = α Σ t·K in ``dq`` (fp32, a (B, H, Sq, 2, D) buffer's [..., 0, :]), B = α Σ r·K in its [..., 1, :], ρ and

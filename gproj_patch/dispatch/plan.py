@@ -35,6 +35,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import policy
+from ..backends.configs import gluon_measured_faster
 from ..runtime.config import POLICY_MODES
 from .record import BackwardPlan, CallRecord, KernelPlan, Problem
 from ..runtime.state import STATE
@@ -118,24 +119,24 @@ def kernel_reason(t: ForwardTensors, problem: Problem, *, cpu_kernel: bool, fp32
 
 def kv_major_choice(t: ForwardTensors, problem: Problem, option: str) -> Tuple[str, Optional[str]]:
     """(KV-major kernel, why not Gluon): the Gluon kernel where ``gluon_bwd.kv_major_reason`` allows it and it
-    was measured faster than the tl kernel (``gluon_bwd.FASTER_HEAD_DIMS``), else tl; always tl under the
+    was measured faster than the tl kernel (``configs.gluon_measured_faster``), else tl; always tl under the
     option ``kv_major="tl"``. dO is planned as laid out like q (the router passes a contiguous dO to Gluon)."""
     if option == "tl":
         return "tl", "kv_major=tl (GPROJ_KV_MAJOR / enable option)"
     from ..backends import gluon_bwd
-    return _faster_gluon(gluon_bwd.kv_major_reason(t.q, t.k, t.v, **_gluon_mask(problem)), t,
-                         gluon_bwd.FASTER_HEAD_DIMS, "KV-major")
+    return _faster_gluon(gluon_bwd.kv_major_reason(t.q, t.k, t.v, **_gluon_mask(problem)), t, "kv_major",
+                         "KV-major")
 
 
 def dq_major_choice(t: ForwardTensors, problem: Problem, option: str) -> Tuple[str, Optional[str]]:
     """(dQ-major kernel, why not Gluon): the Gluon kernel where ``gluon_dq.dq_major_reason`` allows it and it was
-    measured faster than the tl kernel (``gluon_dq.FASTER_HEAD_DIMS``), else tl; always tl under the option
+    measured faster than the tl kernel (``configs.gluon_measured_faster``), else tl; always tl under the option
     ``dq_major="tl"``."""
     if option == "tl":
         return "tl", "dq_major=tl (GPROJ_DQ_MAJOR / enable option)"
     from ..backends import gluon_dq
-    return _faster_gluon(gluon_dq.dq_major_reason(t.q, t.k, t.v, **_gluon_mask(problem)), t,
-                         gluon_dq.FASTER_HEAD_DIMS, "dQ-major")
+    return _faster_gluon(gluon_dq.dq_major_reason(t.q, t.k, t.v, **_gluon_mask(problem)), t, "dq_major",
+                         "dQ-major")
 
 
 def _gluon_mask(problem: Problem) -> dict:
@@ -144,11 +145,12 @@ def _gluon_mask(problem: Problem) -> dict:
                 varlen=problem.cu_seqlens_q is not None or problem.cu_seqlens_k is not None)
 
 
-def _faster_gluon(reason: Optional[str], t: ForwardTensors, faster, launch: str) -> Tuple[str, Optional[str]]:
-    """("gluon", None) where the predicate gave no ``reason`` and the head dim is among the ``faster`` ones,
-    else ("tl", why not)."""
-    if reason is None and t.q.shape[-1] not in faster:
-        reason = f"head_dim={t.q.shape[-1]}: the tl {launch} kernel is faster there"
+def _faster_gluon(reason: Optional[str], t: ForwardTensors, launch: str, label: str) -> Tuple[str, Optional[str]]:
+    """("gluon", None) where the predicate gave no ``reason`` and Gluon's ``launch`` ("kv_major" | "dq_major") was
+    measured faster at the head dim (``configs.gluon_measured_faster``), else ("tl", why not; ``label`` names the
+    launch)."""
+    if reason is None and not gluon_measured_faster(launch, t.q.shape[-1]):
+        reason = f"head_dim={t.q.shape[-1]}: the tl {label} kernel is faster there"
     return ("gluon", None) if reason is None else ("tl", reason)
 
 

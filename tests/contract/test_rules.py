@@ -160,7 +160,7 @@ def _creates_container(value) -> bool:
 
 def _constant(name: str) -> bool:
     """UPPER_CASE module names are constants (PEP 8): the package never assigns into them
-    (``test_constants_are_never_mutated``); tuned tables such as ``triton_bwd.CONFIGS`` may be overridden by a
+    (``test_constants_are_never_mutated``); tuned tables such as ``configs.TL_CONFIGS`` may be overridden by a
     benchmark's sweep, never by the package."""
     return name.isupper() and not name.startswith("_")
 

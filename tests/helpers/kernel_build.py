@@ -10,7 +10,7 @@ from typing import Dict, List
 import torch
 
 from gproj_patch.backends import gluon_bwd
-from gproj_patch.backends.gluon_bwd import KernelConfig
+from gproj_patch.backends.configs import GLUON_DQ_CONFIGS, KernelConfig
 
 
 def _nvidia_tool(name: str) -> str:
@@ -82,7 +82,7 @@ def gluon_compile_report(head_dims=(64, 128), block_ms=(32, 64, 128), stages=(2,
                          retire_tiles=(False,), causal=True):
     """Registers, spills (bytes of stack a thread), shared memory and whether ptxas serialized the wgmmas
     (``wgmma_serialized``) of the Gluon KV-major kernel compiled for sm_90a with Triton's own ptxas; runs
-    without a GPU (the configs of ``gluon_bwd.CONFIGS`` come from it). ``release_pairs``, ``retire_tiles``: the
+    without a GPU (the configs of ``configs.GLUON_KV_CONFIGS`` come from it). ``release_pairs``, ``retire_tiles``: the
     variants to build (``KernelConfig``'s flags; rings ``release_pairs`` cannot take are skipped); ``causal``:
     the mask of the call compiled for (causal or full)."""
     from gproj_patch.backends import gluon_kernels
@@ -138,8 +138,8 @@ def _sm90a_build(fn, args: dict) -> dict:
 
 
 def gluon_dq_compile_report(head_dims=(64, 128), configs=None, causal=True, sink=False):
-    """``gluon_compile_report`` for the Gluon dQ-major kernel: one row per (head dim, ``gluon_dq.DqConfig``;
-    default the shipped ``gluon_dq.CONFIGS``), compiled for sm_90a without a GPU (the one-hot columns stand on
+    """``gluon_compile_report`` for the Gluon dQ-major kernel: one row per (head dim, ``configs.DqConfig``;
+    default the shipped ``configs.GLUON_DQ_CONFIGS``), compiled for sm_90a without a GPU (the one-hot columns stand on
     the CPU: only their descriptor's type enters the build)."""
     from unittest import mock
     from gproj_patch.backends import gluon_dq, gluon_dq_kernels
@@ -148,7 +148,7 @@ def gluon_dq_compile_report(head_dims=(64, 128), configs=None, causal=True, sink
     for D in head_dims:
         job, f = _cpu_job(D, causal, sink)
         scratch = Scratch(delta=f, lse2=f, lam=f, target=f)
-        for cfg in configs or (gluon_dq.CONFIGS[D],):
+        for cfg in configs or (GLUON_DQ_CONFIGS[D],):
             one_hot = lambda device, dtype, n: torch.zeros(2 * n, gluon_dq.ROWSUM_WIDTH, dtype=dtype)  # noqa
             with mock.patch.object(gluon_dq, "_one_hot", one_hot):
                 gluon_dq._launch_class.cache_clear()

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from gproj_patch.backends import reference as R
-from gproj_patch.backends import triton_bwd
+from gproj_patch.backends import configs
 from gproj_patch.backends.spec import MaskSpec, default_scale, segments
 
 
@@ -37,9 +37,9 @@ def _tiles(x: torch.Tensor, start: int, length: int, block: int, width: int) -> 
 def dp_launch_mismatch(do: torch.Tensor, v: torch.Tensor, *, cu_seqlens_q=None, cu_seqlens_k=None) -> torch.Tensor:
     """dP^K − dP^Q (B, Hq, Sq, Sk) fp64: the KV-major launch's dP minus the dQ-major launch's, each tile computed
     as the interpreter computes ``tl.dot(do, tl.trans(v))`` and ``tl.dot(v, tl.trans(do))``: ``np.matmul`` of the
-    loaded tiles (``triton_bwd._INTERP_BLOCK`` rows, head dim padded to ``triton_bwd.block_d``), accumulator fp32.
+    loaded tiles (``configs.INTERP_BLOCK`` rows, head dim padded to ``configs.block_d``), accumulator fp32.
     Zero for pairs in different varlen sequences."""
-    block, width = triton_bwd._INTERP_BLOCK, triton_bwd.block_d(do.shape[-1])
+    block, width = configs.INTERP_BLOCK, configs.block_d(do.shape[-1])
     B, Hq, Sq, _ = do.shape
     group = Hq // v.shape[1]
     out = torch.zeros(B, Hq, Sq, v.shape[2], dtype=torch.float64)

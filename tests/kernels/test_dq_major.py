@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from gproj_patch.backends import gluon_bwd, gluon_dq
+from gproj_patch.backends import configs, gluon_bwd, gluon_dq
 from gproj_patch.backends.gluon_dq import dq_major_reason
 from tests.helpers.launch_choice import qkv
 
@@ -40,8 +40,8 @@ def test_the_scratch_alignment_is_the_kv_major_launchs_only():
 
 
 def test_every_gluon_head_dim_has_a_dq_config():
-    assert set(gluon_dq.CONFIGS) == set(gluon_bwd.GLUON_HEAD_DIMS)
-    assert set(gluon_dq.FASTER_HEAD_DIMS) <= set(gluon_dq.CONFIGS)
+    assert set(configs.GLUON_DQ_CONFIGS) == set(configs.GLUON_HEAD_DIMS)
+    assert set(configs.GLUON_DQ_FASTER_HEAD_DIMS) <= set(configs.GLUON_DQ_CONFIGS)
 
 
 def _job(sq=96, sk=160, h=4, hkv=2, d=128, sink=False):
@@ -73,7 +73,7 @@ def test_dq_arguments_name_every_kernel_parameter_and_refuse_what_it_cannot_run(
     follows the alignment, the group and the sink flag the job; a job the kernel does not cover is refused."""
     from gproj_patch.backends import gluon_dq_kernels
     job, scratch = _job()
-    cfg = gluon_dq.CONFIGS[128]
+    cfg = configs.GLUON_DQ_CONFIGS[128]
     args = gluon_dq.dq_arguments(job, scratch, cfg)
     assert set(args) == set(inspect.signature(gluon_dq_kernels._dq_kernel.fn).parameters) - {"num_warps"}
     assert args["CAUSAL"] and args["shift"] == 160 - 96 and args["GROUP"] == 2 and not args["HAS_SINK"]
@@ -88,7 +88,7 @@ def test_dq_arguments_name_every_kernel_parameter_and_refuse_what_it_cannot_run(
 
 
 @needs_gluon
-@pytest.mark.parametrize("head_dim", sorted(gluon_dq.CONFIGS))
+@pytest.mark.parametrize("head_dim", sorted(configs.GLUON_DQ_CONFIGS))
 def test_default_configs_compile_for_sm90a_with_async_wgmma(head_dim):
     """The shipped dQ-major configs compile for sm_90a on this GPU-less machine with Triton's own ptxas (causal and
     full, with and without a sink), ptxas keeps every wgmma async, and the spills stay what the H200 timings were taken

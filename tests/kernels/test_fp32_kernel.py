@@ -1,5 +1,5 @@
 """The FP32 tier's kernel form: the GProj Triton kernels on fp32 copies with fp32-level products
-(``triton_bwd.FP32_DOT_PRECISION``, 3×TF32 on the GPU; the interpreter computes every precision in plain fp32).
+(``configs.FP32_DOT_PRECISION``, 3×TF32 on the GPU; the interpreter computes every precision in plain fp32).
 
 On CPU through Triton's interpreter, whose ``tl.dot`` is ``np.matmul`` of the fp32 tiles (``input_precision``
 ignored: no TF32 split, numpy's sgemm of whatever BLAS numpy loaded). The saved output and LSE are what a BF16

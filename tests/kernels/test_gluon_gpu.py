@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 if gluon_gpu_reason() is not None:
     pytest.skip(gluon_gpu_reason(), allow_module_level=True)
 
-from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
+from gproj_patch.backends import configs, triton_bwd  # noqa: E402
 from gproj_patch.backends.gluon_entry import gluon_backward, gluon_supported_reason  # noqa: E402
 from gproj_patch.backends.reference import reference_backward, reference_forward  # noqa: E402
 from tests.helpers import adversarial as dc  # noqa: E402  (the suite benchmarks.gluon reports on)
@@ -168,8 +168,8 @@ def test_unaligned_strides_get_a_reason():
 
 #: the slot-release variant of each head dim (``KernelConfig.release_pairs``), with the default's tile rows so
 #: that its results must be bitwise the default's (same products, same order; only the mbarrier traffic differs)
-PAIRED = {d: gluon_bwd.KernelConfig(cfg.block_m, 4, release_pairs=True, retire_tiles=cfg.retire_tiles)
-          for d, cfg in gluon_bwd.CONFIGS.items()}
+PAIRED = {d: configs.KernelConfig(cfg.block_m, 4, release_pairs=True, retire_tiles=cfg.retire_tiles)
+          for d, cfg in configs.GLUON_KV_CONFIGS.items()}
 
 
 @pytest.mark.parametrize("name", ["offset512", "causal_br", "d128", "odd_br_mqa_d128", "fp16_d128_dense", "gqa"])
@@ -183,7 +183,7 @@ def test_paired_slot_release_is_bitwise_the_default(name):
 
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("head_dim", sorted(gluon_bwd.CONFIGS))
+@pytest.mark.parametrize("head_dim", sorted(configs.GLUON_KV_CONFIGS))
 def test_nonfinite_rows_of_another_head_stay_there(head_dim, causal, paired):
     """One head's forward output and LSE not finite (``adversarial.poison_head``; Sq = 100, so the previous
     head's last tile has rows past Sq): every other head's gradients stay finite, within the gauge target of
@@ -194,7 +194,7 @@ def test_nonfinite_rows_of_another_head_stay_there(head_dim, causal, paired):
     q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
     out, lse = reference_forward(q, k, v, **kw)
     o, lse = dc.poison_head(out.to(q.dtype), lse.float())
-    cfg = PAIRED[head_dim] if paired else gluon_bwd.CONFIGS[head_dim]
+    cfg = PAIRED[head_dim] if paired else configs.GLUON_KV_CONFIGS[head_dim]
     grads = gluon_backward(do, q, k, v, o, lse, _gluon_config=cfg, **kw)
     tl = gproj_backward(do, q, k, v, o, lse, kv_major="tl", **kw)
     ref = reference_backward(q, k, v, do, **kw)

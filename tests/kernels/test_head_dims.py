@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gproj_patch.backends import triton_bwd  # noqa: E402
+from gproj_patch.backends import configs, triton_bwd  # noqa: E402
 from gproj_patch.backends.emulation import emulated_backward  # noqa: E402
 from gproj_patch.backends.reference import reference_backward  # noqa: E402
 from tests.helpers.numerics import kernel_inputs as make, rel, saved_forward  # noqa: E402
@@ -29,29 +29,29 @@ GPU_HEAD_DIMS = (1, 8, 16, 24, 40, 72, 136, 256)  # every padded block_d: 16, 32
 
 def test_every_head_dim_has_a_block_d_and_a_config(monkeypatch):
     monkeypatch.setenv("GPROJ_TIER", "triton")
-    for d in range(1, triton_bwd.MAX_HEAD_DIM + 1):
-        bd = triton_bwd.block_d(d)
-        assert bd >= max(d, triton_bwd.MIN_BLOCK_D) and bd & (bd - 1) == 0 and bd < 2 * max(d, 16), (d, bd)
+    for d in range(1, configs.MAX_HEAD_DIM + 1):
+        bd = configs.block_d(d)
+        assert bd >= max(d, configs.MIN_BLOCK_D) and bd & (bd - 1) == 0 and bd < 2 * max(d, 16), (d, bd)
         for kind in ("dq", "dkdv"):
-            cfg = triton_bwd.block_config(kind, bd)
+            cfg = configs.block_config(kind, bd)
             assert len(cfg) == 4 and all(isinstance(x, int) and x > 0 for x in cfg), (d, kind, cfg)
         x = torch.zeros(1, 2, 3, d, dtype=torch.float16)
         assert triton_bwd.kernel_unsupported_reason(x, x[:, :1], x[:, :1], cpu_kernel=True) is None, d
-    assert triton_bwd.block_config("dq", 16) == triton_bwd.CONFIGS["dq"][16]  # its own entry
-    big = torch.zeros(1, 1, 3, triton_bwd.MAX_HEAD_DIM + 1, dtype=torch.float16)
+    assert configs.block_config("dq", 16) == configs.TL_CONFIGS["dq"][16]  # its own entry
+    big = torch.zeros(1, 1, 3, configs.MAX_HEAD_DIM + 1, dtype=torch.float16)
     assert triton_bwd.kernel_unsupported_reason(big, big, big, cpu_kernel=True) == \
-        f"head_dim={triton_bwd.MAX_HEAD_DIM + 1}"
+        f"head_dim={configs.MAX_HEAD_DIM + 1}"
 
 
 def test_nearest_config_rule(monkeypatch):
     """A table with gaps: the smallest tuned block_d above, else the largest tuned."""
     a, b = (64, 32, 4, 3), (32, 64, 8, 1)
-    monkeypatch.setattr(triton_bwd, "CONFIGS", {"dq": {32: a, 128: b}, "dkdv": {32: a}})
-    assert triton_bwd.block_config("dq", 16) == a
-    assert triton_bwd.block_config("dq", 32) == a
-    assert triton_bwd.block_config("dq", 64) == b
-    assert triton_bwd.block_config("dq", 256) == b
-    assert triton_bwd.block_config("dkdv", 256) == a
+    monkeypatch.setattr(configs, "TL_CONFIGS", {"dq": {32: a, 128: b}, "dkdv": {32: a}})
+    assert configs.block_config("dq", 16) == a
+    assert configs.block_config("dq", 32) == a
+    assert configs.block_config("dq", 64) == b
+    assert configs.block_config("dq", 256) == b
+    assert configs.block_config("dkdv", 256) == a
 
 
 def check(q, k, v, do, **mask):
@@ -80,7 +80,7 @@ def test_kernel_head_dims_interpreter(monkeypatch, D):
     q, k, v, do = make(1, 4, 2, 17, 23, D, offset=8.0, seed=D)
     check(q, k, v, do, causal=True, causal_align="bottom_right")
     # head dims below 16 reach the kernels zero-padded to 16 (ptxas crashed on their masked 16-wide tiles)
-    assert set(widths) == {max(D, triton_bwd.MIN_BLOCK_D)}
+    assert set(widths) == {max(D, configs.MIN_BLOCK_D)}
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

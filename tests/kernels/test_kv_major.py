@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gproj_patch
-from gproj_patch.backends import gluon_bwd
+from gproj_patch.backends import configs, gluon_bwd
 from gproj_patch.backends.gluon_bwd import kv_major_reason
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward
@@ -113,7 +113,7 @@ def test_launch_descriptors_are_what_the_public_constructor_builds():
     from triton.runtime.jit import mangle_type
     job, f = _job()
     lse2, delta, lam = f, f.clone(), f.clone()
-    args = gluon_bwd.dkdv_arguments(job, delta, lse2, lam, gluon_bwd.CONFIGS[128])
+    args = gluon_bwd.dkdv_arguments(job, delta, lse2, lam, configs.GLUON_KV_CONFIGS[128])
     tile = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gl.bfloat16)
     rows = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     q, k = job.q, job.k
@@ -143,9 +143,9 @@ def test_shape_class_cache_is_bounded_and_keeps_no_tensor():
     import weakref
     gluon_bwd._launch_class.cache_clear()
     job, f = _job(sq=48)
-    a = gluon_bwd.dkdv_arguments(job, f, f, f, gluon_bwd.CONFIGS[128])
+    a = gluon_bwd.dkdv_arguments(job, f, f, f, configs.GLUON_KV_CONFIGS[128])
     job2, f2 = _job(sq=48)
-    b = gluon_bwd.dkdv_arguments(job2, f2, f2, f2, gluon_bwd.CONFIGS[128])
+    b = gluon_bwd.dkdv_arguments(job2, f2, f2, f2, configs.GLUON_KV_CONFIGS[128])
     info = gluon_bwd._launch_class.cache_info()
     assert (info.hits, info.misses, info.maxsize) == (1, 1, gluon_bwd.LAUNCH_CLASS_CACHE_SIZE)
     assert a["q_desc"].layout is b["q_desc"].layout and a["q_desc"].base is not b["q_desc"].base
@@ -163,16 +163,16 @@ def test_launch_arguments_copy_an_unaligned_base_and_refuse_a_bad_scratch():
     base = torch.randn(1 * 4 * 96 * 128 + 1).to(torch.bfloat16)
     q = base[1:].view(1, 4, 96, 128)  # 2-byte offset
     job, f = _job(q=q)
-    args = gluon_bwd.dkdv_arguments(job, f, f, f, gluon_bwd.CONFIGS[128])
+    args = gluon_bwd.dkdv_arguments(job, f, f, f, configs.GLUON_KV_CONFIGS[128])
     copy = args["q_desc"].base
     assert q.data_ptr() % 16 != 0 and copy.data_ptr() % 16 == 0
     assert copy.stride() == q.stride() and torch.equal(copy, q)
     assert args["k_desc"].base is job.k  # aligned inputs are bound as they are
     job, f = _job()
     with pytest.raises(ValueError, match="scratch"):
-        gluon_bwd.dkdv_arguments(job, f.t(), f, f, gluon_bwd.CONFIGS[128])
+        gluon_bwd.dkdv_arguments(job, f.t(), f, f, configs.GLUON_KV_CONFIGS[128])
     with pytest.raises(ValueError, match="scratch"):
-        gluon_bwd.dkdv_arguments(job, f[:, :64], f, f, gluon_bwd.CONFIGS[128])
+        gluon_bwd.dkdv_arguments(job, f[:, :64], f, f, configs.GLUON_KV_CONFIGS[128])
 
 
 def test_paired_release_needs_two_pairs_of_slots():
@@ -180,19 +180,19 @@ def test_paired_release_needs_two_pairs_of_slots():
     wait for the pair whose tile it is about to load), so the config refuses it."""
     for stages in (2, 3, 5):
         with pytest.raises(ValueError, match="release_pairs"):
-            gluon_bwd.KernelConfig(64, stages, release_pairs=True)
-    assert gluon_bwd.KernelConfig(64, 4, release_pairs=True).num_stages == 4
-    assert not any(c.release_pairs for c in gluon_bwd.CONFIGS.values())  # default unchanged until timed
+            configs.KernelConfig(64, stages, release_pairs=True)
+    assert configs.KernelConfig(64, 4, release_pairs=True).num_stages == 4
+    assert not any(c.release_pairs for c in configs.GLUON_KV_CONFIGS.values())  # default unchanged until timed
 
 
 @pytest.mark.skipif(gluon_bwd.UNAVAILABLE_REASON is not None, reason="no Gluon in this Triton")
-@pytest.mark.parametrize("head_dim", sorted(gluon_bwd.CONFIGS))
+@pytest.mark.parametrize("head_dim", sorted(configs.GLUON_KV_CONFIGS))
 def test_default_configs_compile_for_sm90a_without_spills(head_dim):
     """The shipped Gluon configs compile for sm_90a on this (GPU-less) machine with Triton's own ptxas and spill nothing
     (``python -m benchmarks.ptx --gluon`` tables the same): a kernel edit that breaks compilation or starts spilling
     fails here, in CI, before any GPU run."""
     from tests.helpers.kernel_build import gluon_compile_report
-    cfg = gluon_bwd.CONFIGS[head_dim]
+    cfg = configs.GLUON_KV_CONFIGS[head_dim]
     for causal in (True, False):
         (row,) = gluon_compile_report(head_dims=(head_dim,), block_ms=(cfg.block_m,), stages=(cfg.num_stages,),
                                       retire_tiles=(cfg.retire_tiles,), causal=causal)
@@ -203,12 +203,12 @@ def test_default_configs_compile_for_sm90a_without_spills(head_dim):
 
 
 @needs_gluon
-@pytest.mark.parametrize("head_dim", sorted(gluon_bwd.CONFIGS))
+@pytest.mark.parametrize("head_dim", sorted(configs.GLUON_KV_CONFIGS))
 def test_paired_release_variant_compiles_for_sm90a_without_spills(head_dim):
     """The paired slot release at the default's tile rows (4 slots) compiles for sm_90a without spills and
     within shared memory (the variant ``python -m benchmarks.gluon`` times against the default)."""
     from tests.helpers.kernel_build import gluon_compile_report
-    cfg = gluon_bwd.CONFIGS[head_dim]
+    cfg = configs.GLUON_KV_CONFIGS[head_dim]
     (row,) = gluon_compile_report(head_dims=(head_dim,), block_ms=(cfg.block_m,), stages=(4,), release_pairs=(True,),
                                   retire_tiles=(cfg.retire_tiles,))
     assert "error" not in row and row.get("release_pairs"), row
@@ -217,7 +217,8 @@ def test_paired_release_variant_compiles_for_sm90a_without_spills(head_dim):
 
 
 #: the default's tile rows and ring, each tile's products retired within it (``KernelConfig.retire_tiles``)
-RETIRED = {d: gluon_bwd.KernelConfig(c.block_m, c.num_stages, retire_tiles=True) for d, c in gluon_bwd.CONFIGS.items()}
+RETIRED = {d: configs.KernelConfig(c.block_m, c.num_stages, retire_tiles=True)
+           for d, c in configs.GLUON_KV_CONFIGS.items()}
 
 
 @needs_gluon
@@ -228,7 +229,7 @@ def test_retired_tiles_keep_wgmma_async_at_d128_without_spills(causal):
     when it stops, the reason for ``retire_tiles`` is gone). The retired-tiles build keeps them async, spills
     nothing and fits in shared memory, for causal and full calls."""
     from tests.helpers.kernel_build import gluon_compile_report
-    cfg = gluon_bwd.CONFIGS[128]
+    cfg = configs.GLUON_KV_CONFIGS[128]
     default, retired = gluon_compile_report(head_dims=(128,), block_ms=(cfg.block_m,), stages=(cfg.num_stages,),
                                             retire_tiles=(False, True), causal=causal)
     assert "error" not in default and default["serialized"], default
@@ -287,14 +288,14 @@ def test_dkdv_arguments_name_every_kernel_parameter_and_refuse_what_it_cannot_ru
     job = Launch(do=q, q=q, k=k, v=k, o=q, lse=f, dq=q, dk=k, dv=k, sink=None, cu_q=q, cu_k=q, varlen=False,
                  n_problems=1, max_q=96, max_k=160, window=(-1, 0), bottom_right=True, alpha=0.125, softcap=0.0,
                  correct=True, fused=True, cfg_dq=(64, 64, 4, 2), cfg_dkdv=(32, 64, 4, 2))
-    args = gluon_bwd.dkdv_arguments(job, f, f, f, gluon_bwd.CONFIGS[128])
+    args = gluon_bwd.dkdv_arguments(job, f, f, f, configs.GLUON_KV_CONFIGS[128])
     params = set(inspect.signature(gluon_kernels._dkdv_kernel.fn).parameters) - {"num_warps"}
     assert set(args) == params
     assert args["CAUSAL"] and args["shift"] == 160 - 96 and args["GROUP"] == 2
     assert not gluon_bwd.dkdv_arguments(dataclasses.replace(job, bottom_right=False), f, f, f,
-                                        gluon_bwd.CONFIGS[128])["shift"]
+                                        configs.GLUON_KV_CONFIGS[128])["shift"]
     with pytest.raises(ValueError, match="window"):
-        gluon_bwd.dkdv_arguments(dataclasses.replace(job, window=(16, 0)), f, f, f, gluon_bwd.CONFIGS[128])
+        gluon_bwd.dkdv_arguments(dataclasses.replace(job, window=(16, 0)), f, f, f, configs.GLUON_KV_CONFIGS[128])
 
 
 def test_unavailable_gluon_sends_every_call_to_tl(monkeypatch, interpreter):

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gproj_patch.backends import launch_cache, triton_bwd, triton_launch  # noqa: E402
+from gproj_patch.backends import configs, launch_cache, triton_bwd, triton_launch  # noqa: E402
 from gproj_patch.backends.spec import MaskSpec  # noqa: E402
 from tests.helpers.hopper import gluon_gpu_reason  # noqa: E402
 
@@ -48,7 +48,7 @@ def _scalar_arguments(job):
     scratch = triton_launch.allocate_scratch(job)
     out = {}
     for kind in ("dq", "dkdv"):
-        args = triton_launch.kernel_arguments(kind, job, scratch, block_d=triton_bwd.block_d(job.q.shape[-1]))
+        args = triton_launch.kernel_arguments(kind, job, scratch, block_d=configs.block_d(job.q.shape[-1]))
         out[kind] = {n: (v.dtype, v.stride(), tuple(v.shape)) if isinstance(v, torch.Tensor) else v
                      for n, v in args.items()}
     return out

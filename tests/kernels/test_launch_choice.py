@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gproj_patch
-from gproj_patch.backends import gluon_bwd, gluon_dq
+from gproj_patch.backends import configs, gluon_bwd, gluon_dq
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.backends.triton_bwd import gproj_backward
 from gproj_patch.dispatch import plan
@@ -22,7 +22,8 @@ from tests.helpers.launch_choice import qkv, sdpa_fp16_causal
 @dataclass(frozen=True)
 class LaunchUnderTest:
     option: str     # the keyword of gproj_backward / enable and the key of stats(): "kv_major" | "dq_major"
-    module: object  # the host module holding the predicate and FASTER_HEAD_DIMS
+    module: object  # the host module holding the predicate
+    faster: str     # the ``configs`` constant of the head dims where Gluon was measured faster
     label: str      # the launch's name in the plan's reasons
     env: str        # the option's environment variable
 
@@ -36,8 +37,8 @@ class LaunchUnderTest:
         return choose(ForwardTensors(q, k, v, None, None), Problem(scale=q.shape[-1] ** -0.5), option)
 
 
-LAUNCHES = [LaunchUnderTest("kv_major", gluon_bwd, "KV-major", "GPROJ_KV_MAJOR"),
-            LaunchUnderTest("dq_major", gluon_dq, "dQ-major", "GPROJ_DQ_MAJOR")]
+LAUNCHES = [LaunchUnderTest("kv_major", gluon_bwd, "GLUON_KV_FASTER_HEAD_DIMS", "KV-major", "GPROJ_KV_MAJOR"),
+            LaunchUnderTest("dq_major", gluon_dq, "GLUON_DQ_FASTER_HEAD_DIMS", "dQ-major", "GPROJ_DQ_MAJOR")]
 OTHER = {"kv_major": "dq_major", "dq_major": "kv_major"}
 by_launch = pytest.mark.parametrize("launch", LAUNCHES, ids=lambda x: x.option)
 
@@ -62,16 +63,16 @@ def test_uncovered_options_get_a_reason(launch, kwargs, fragment):
 
 @by_launch
 def test_kernel_prefers_tl_where_gluon_is_not_faster(launch, monkeypatch):
-    """Where the Gluon kernel could run but was not measured faster (a head dim outside ``FASTER_HEAD_DIMS``) the
-    plan picks tl and says why; inside it, Gluon; the option "tl" always tl. The predicate is stubbed (this
-    machine has no sm_90): the rule under test is the plan's speed preference."""
+    """Where the Gluon kernel could run but was not measured faster (a head dim outside the launch's
+    ``configs.GLUON_*_FASTER_HEAD_DIMS``) the plan picks tl and says why; inside it, Gluon; the option "tl" always
+    tl. The predicate is stubbed (this machine has no sm_90): the rule under test is the plan's speed preference."""
     monkeypatch.setattr(launch.module, f"{launch.option}_reason", lambda *a, **kw: None)
-    monkeypatch.setattr(launch.module, "FASTER_HEAD_DIMS", (128,))
+    monkeypatch.setattr(configs, launch.faster, (128,))
     assert launch.choice(*qkv(d=64)[:3]) == ("tl", f"head_dim=64: the tl {launch.label} kernel is faster there")
     assert launch.choice(*qkv(d=128)[:3]) == ("gluon", None)
     assert launch.choice(*qkv(d=128)[:3], option="tl")[0] == "tl"
     monkeypatch.undo()
-    assert set(launch.module.FASTER_HEAD_DIMS) <= set(gluon_bwd.GLUON_HEAD_DIMS)
+    assert set(getattr(configs, launch.faster)) <= set(configs.GLUON_HEAD_DIMS)
 
 
 @by_launch

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from gproj_patch.backends import gluon_bwd, triton_bwd  # noqa: E402
+from gproj_patch.backends import configs, gluon_bwd  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 
 #: the head dims whose shipped tl configs are recorded
@@ -52,7 +52,7 @@ def test_every_shipped_config_is_compiled(rows):
         for kind, kernel in (("dq", "_bwd_dq"), ("dkdv", "_bwd_dkdv")):
             for mask in ("dense", "causal"):
                 row = tl[f"{kernel}_d{d}_{mask}"]
-                assert row["config"] == "x".join(map(str, triton_bwd.CONFIGS[kind][d])), row
+                assert row["config"] == "x".join(map(str, configs.TL_CONFIGS[kind][d])), row
 
 
 def test_tl_dots_lower_to_wgmma(rows):
