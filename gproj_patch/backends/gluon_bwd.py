@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 from .compat import gluon_unsupported_reason
-from .configs import GLUON_HEAD_DIMS, GLUON_KV_FASTER_HEAD_DIMS, KernelConfig, gluon_kv_config
+from .configs import GLUON_HEAD_DIMS, KernelConfig, gluon_kv_config
 from .launch_cache import PREPARED
 
 #: why the Gluon kernel cannot run in this process at all (None when it can): a Triton release it was not
@@ -52,9 +52,6 @@ if UNAVAILABLE_REASON is None:
     except Exception as exc:  # pragma: no cover - a triton without Gluon's Hopper API
         UNAVAILABLE_REASON = f"no Gluon ({type(exc).__name__}: {exc})"[:200]
 
-#: head dims where it is the default: ``configs.GLUON_KV_FASTER_HEAD_DIMS`` (the plan asks
-#: ``configs.gluon_measured_faster``), named here for ``integrations.context_parallel``, which reads it here
-FASTER_HEAD_DIMS = GLUON_KV_FASTER_HEAD_DIMS
 #: the one compute capability the kernel is written for (TMA, wgmma, setmaxnreg: sm_90a)
 GLUON_CAPABILITY = (9, 0)
 #: TMA: base address and every stride but the last must be multiples of this many bytes

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import gluon_bwd
-from .configs import GLUON_DQ_FASTER_HEAD_DIMS, DqConfig, gluon_dq_config
+from .configs import DqConfig, gluon_dq_config
 from .gluon_bwd import (LAUNCH_CLASS_CACHE_SIZE, LOG2_E, UNAVAILABLE_REASON, bound_descriptor, gluon_reason,
                         tile_template)
 from .launch_cache import PREPARED
@@ -47,9 +47,6 @@ if UNAVAILABLE_REASON is None:
     MASS_COL = _gq.MASS_COL.value
 
 
-#: head dims where it is the default: ``configs.GLUON_DQ_FASTER_HEAD_DIMS`` (the plan asks
-#: ``configs.gluon_measured_faster``), named here for ``integrations.context_parallel``, which reads it here
-FASTER_HEAD_DIMS = GLUON_DQ_FASTER_HEAD_DIMS
 
 
 def dq_major_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, do: Optional[torch.Tensor] = None,

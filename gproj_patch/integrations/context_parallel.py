@@ -206,13 +206,15 @@ def corrected_ring_backward(group, seq_dim, op, grad_out, grad_out_name, query, 
 
 def pass_launches(query, key, value) -> Tuple[str, str]:
     """The (row pass, column pass) launches, as a GProj backward's plan picks its dQ-major and KV-major ones:
-    Gluon where it takes the call and was measured faster (``gluon_dq.FASTER_HEAD_DIMS``,
-    ``gluon_bwd.FASTER_HEAD_DIMS``), else tl (``RingRows`` falls back to tl on a step Gluon does not take)."""
+    Gluon where it takes the call and was measured faster (``configs.gluon_measured_faster``), else tl
+    (``RingRows`` falls back to tl on a step Gluon does not take)."""
     from ..backends import gluon_bwd, gluon_dq
+    from ..backends.configs import gluon_measured_faster
+    d = query.shape[-1]
     # the row pass's Gluon dQ-major launch (PARTIAL mode) is slower than tl under GQA (BENCHMARKS.md, the ring)
-    dq = (gluon_dq.dq_major_reason(query, key, value) is None and query.shape[-1] in gluon_dq.FASTER_HEAD_DIMS
+    dq = (gluon_dq.dq_major_reason(query, key, value) is None and gluon_measured_faster("dq_major", d)
           and key.shape[1] == query.shape[1])
-    kv = gluon_bwd.kv_major_reason(query, key, value) is None and query.shape[-1] in gluon_bwd.FASTER_HEAD_DIMS
+    kv = gluon_bwd.kv_major_reason(query, key, value) is None and gluon_measured_faster("kv_major", d)
     return "gluon" if dq else "tl", "gluon" if kv else "tl"
 
 
