@@ -1,22 +1,25 @@
-"""flash-attn forwards leave their call's record; the backward finds it through the LSE both of them see.
+"""FA4's forwards leave their call's record; the backward finds it through the LSE both of them see. Also the
+argument reading every flash-attn path shares (``Binder``, ``arg``, ``problem_of``).
 
-flash-attn's autograd Functions save the LSE their forward op returned and hand it to the backward op. The
+FA4 has no backward op to decide at (its backward is a Python function), so its plan is made at the forward:
+FA4's autograd Functions save the LSE ``_flash_attn_fwd`` returned and hand it to ``_flash_attn_bwd``. The
 wrapped forward binds the call's arguments, makes the complete ``CallRecord`` now — ``Problem`` (scale, causal,
 window, softcap, varlen offsets, learnable sink) and ``Context`` (mode, options, the layer whose scope is open)
-— and files it under the LSE (``remember``); the backward reads it back (``record_for``) and runs exactly it.
+— and files it under the LSE (``remember``); the backward reads it back (``find``) and runs exactly it. (FA2/FA3
+file nothing: their backward op decides from its own arguments, ``flash_attn.op_backward``.)
 
 Filed under the LSE's *storage*, not the tensor object. FA4 (4.0.0b36) returns ``(out, lse)`` from its
 Function and saves ``lse``, one of its own outputs; autograd saves an output as a new tensor object sharing its
 storage (unpacked as yet another one), so the object the forward returned dies as soon as the caller keeps only
-``out`` — a record tied to it died before the backward. FA2 with ``return_attn_probs`` does the same.
+``out`` — a record tied to it died before the backward.
 The storage survives: the saved tensor holds it until the backward has run (or the graph is freed), and torch
 keeps one Python object per storage while it lives. So an entry is keyed by (device, address of the LSE), holds a
 weak reference to that storage object, is found only when the backward's LSE lives in that very storage with the
 same shape, and is dropped by a ``weakref.finalize`` on the storage — after the backward, with a retained graph
 after its last backward, with a graph freed unused — unless an entry filed later holds its address by then.
 
-A backward whose forward was not seen (it ran before ``enable()``, or through an op the hook does not wrap) gets
-a record made from its own arguments, with that reason logged once (``recorded=False``).
+A backward whose forward was not seen (it ran before ``enable()``) gets a record made from its own arguments,
+with that reason logged once (``recorded=False``).
 """
 from __future__ import annotations
 
@@ -34,8 +37,8 @@ from ..dispatch.plan import ForwardTensors, make_plan
 from ..dispatch.record import CallRecord, Problem, make_context
 
 SINK_DTYPE = torch.float32  # the sink as the GProj tiers take it (exact for FA4's fp16/bf16/fp32 sinks)
-NO_RECORD_REASON = ("flash-attn: no forward record for this backward (forward ran before enable() or through an "
-                    "unwrapped op); options and layer taken at the backward")
+NO_RECORD_REASON = ("flash-attn: no forward record for this backward (forward ran before enable()); options and "
+                    "layer taken at the backward")
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +103,7 @@ class Binder:
         return dict(bound.arguments)
 
 
-# ---- the problem of a call, from flash-attn's argument names (the forward's, or an unrecorded backward's) ------
+# ---- the problem of a call, from flash-attn's argument names (FA4's forward; a backward op's, or FA4's) ---------
 
 def arg(b: dict, *names, default=None):
     """The first of ``names`` that ``b`` holds and is not None (flash-attn spells some arguments two ways)."""

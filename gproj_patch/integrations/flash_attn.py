@@ -1,32 +1,42 @@
-"""Hook: swap the backward of flash-attn's custom ops by re-registering their CUDA kernels.
+"""Hook: flash-attn's corrected backward — FA2/FA3 as the kernel of their backward custom ops, FA4 as a proxy.
 
-FA2 ≥ 2.7 defines its backward as ``torch.library.custom_op`` ops (``flash_attn::_flash_attn_backward`` and
-``flash_attn::_flash_attn_varlen_backward``; newer releases name the namespace ``flashattn``), called from the
-``backward`` of every ``FlashAttn*Func`` (func, varlen, qkvpacked, kvpacked). Re-registering the op's kernel for
-the device (``CustomOpDef.register_kernel``, what ``torch.library.register_kernel`` calls) changes what the op
-runs, so references bound at import time (``torch.ops.flash_attn._flash_attn_backward`` captured in a module
-global, HF's preloaded ``flash_attn_func``) are covered. The forward (and its output) is untouched. The kernel
-that was registered before is kept and restored by identity on ``uninstall()``; it also serves as the
-"original" backward (dropout > 0 — its RNG cannot be replayed elsewhere —, ALiBi, seqused, or the policy).
+FA2/FA3: the backward op decides. FA2 ≥ 2.7 defines its backward as ``torch.library.custom_op`` ops
+(``flash_attn::_flash_attn_backward`` and ``flash_attn::_flash_attn_varlen_backward``; the ``flashattn``
+namespace is taken too), called from the ``backward`` of every ``FlashAttn*Func`` (func, varlen, qkvpacked,
+kvpacked); FA3 has one op for dense and varlen (``flash_attn_3::_flash_attn_backward``). ``install()``
+re-registers the op's CUDA kernel (``CustomOpDef.register_kernel``, what ``torch.library.register_kernel``
+calls), so references bound at import time (``torch.ops.flash_attn._flash_attn_backward`` captured in a module
+global, HF's preloaded ``flash_attn_func``) are covered. The forward ops are not touched: no Python of this
+package runs in an FA2/FA3 forward. The kernel is the one decision of the call, made from its own arguments, as
+the SDPA seam makes it (``integrations/sdpa.py``): the ``Problem`` from the backward's arguments (scale, causal,
+window, softcap, ``cu_seqlens_*`` / ``max_seqlen_*`` for varlen — every release passes all of them to the
+backward op), the context with the options in force at the backward and the layer of the autograd node being run
+(the ``FlashAttn*Func`` backward node whose forward ran in a named scope, else ``sdpa{n}``: ``backward_layer``,
+``STATE.next_backward_call_name``), then the plan (tier, kernel, ``auto``'s sample on q, k and the LSE).
 
-FA3 (``flash_attn_3::_flash_attn_backward``, one op for dense and varlen) goes through the same mechanism.
-FA4 (``flash_attn.cute.interface._flash_attn_bwd``, a plain Python function looked up as a module global by
-its autograd Functions) is replaced as a module attribute.
+Why the CUDA key and not an autograd key. The releases call their backward op inside ``FlashAttn*Func.backward``
+— below autograd already: the op has no autograd formula, nothing above its device kernel is the
+library's — and, under ``torch.compile``, from the compiled backward graph, which calls the op again when it runs.
+Both paths reach the op's CUDA kernel with real tensors, and only they do: while AOTAutograd traces, the op's fake
+kernel answers, so the corrected kernel never sees a FakeTensor and needs no tracing case. An autograd-key kernel
+would add nothing that these callers reach, would be called with FakeTensors while tracing, and would sit over
+``CustomOpDef``'s own autograd kernel. The kernel registered before is kept and restored by identity on
+``uninstall()``; it is also the "original" backward (dropout > 0 — its RNG cannot be replayed elsewhere —,
+ALiBi, seqused, an argument the replacement does not take, or the plan). Arguments are read by name (bound
+against the op's signature), so the one replacement serves every schema. ``uninstall()`` puts the FA2/FA3
+kernels back at once: a backward whose forward ran under the patch then runs the original, and one already on
+its way that finds the patch disabled (``config.active()`` None) runs the original too.
 
-Arguments are read by name (bound against the original function's signature), so the one replacement serves
-every schema; an argument it does not know that is set to a non-default value sends the call to the original.
-
-Records. The forward ops (``_flash_attn_forward`` / ``_flash_attn_varlen_forward``, FA3's, FA4's
-``_flash_attn_fwd``) are wrapped too: each call's complete ``CallRecord`` — the problem (scale, causal, window,
-softcap, varlen offsets, learnable sink) from the forward's arguments, the context (mode, tier option, layer
-name of the scope open at the forward, policy options) — is filed under the storage of the LSE it returns
-(``fa_records``), and the backward, which receives that LSE, runs exactly that record. The backward's own
-arguments are checked against it (a contradiction sends the call to the original backward) and decide only
-what the record cannot know: dropout, ALiBi, seqused, an argument the replacement does not take, output buffers.
-
-FA4's functions are replaced by a proxy that forwards attribute reads and writes to the function it replaces:
-FA4 keeps its JIT cache on the function object (``_flash_attn_bwd.compile_cache``, read through the module
-global), so the original path keeps working while the patch is on.
+FA4 (``flash_attn.cute.interface._flash_attn_bwd``, a plain Python function looked up as a module global by its
+autograd Functions) has no op: its backward and its forward ``_flash_attn_fwd`` are replaced as module attributes
+by proxies (``fa_records.FunctionProxy``) that forward attribute reads and writes to the function they replace
+(FA4 keeps its JIT cache on the function object: ``_flash_attn_bwd.compile_cache``). The plan is made at the
+forward: each ``_flash_attn_fwd`` call files its complete ``CallRecord`` (problem, learnable sink, context, plan)
+under the storage of the LSE it returns (``fa_records``), and the backward, which receives that LSE, runs it. The
+backward's own arguments are checked against it (a contradiction sends the call to the original backward) and
+decide only what the record cannot know: seqused, an argument the replacement does not take, output buffers.
+``uninstall()`` restores FA4's forward at once and its backward once no forward made under the patch awaits its
+backward.
 
 FA4's learnable sink. ``_flash_attn_fwd(..., learnable_sink=(Hq,) fp16/bf16/fp32)`` puts the sink logit in
 every row's softmax denominator; the LSE it returns includes it. Since flash-attention #2706 (2026-08),
@@ -34,12 +44,12 @@ every row's softmax denominator; the LSE it returns includes it. Since flash-att
 ``(dq, dk, dv, dsink)``, dsink shaped and typed like the sink (``FlashAttnFunc.backward`` unpacks four values
 then); earlier releases never passed the sink to the backward (no sink gradient; ``(dq, dk, dv)``). The
 corrected path takes the sink from the backward's ``learnable_sink`` argument, else from the forward's record
-(``fa_records``: the forward wrapper files the sink it was given) — a sink-including LSE is never corrected
-towards the no-sink target — and returns in the backward's own format: the fourth value, dsink, only when the
-backward was given ``learnable_sink``. A sink that the GProj tiers refuse (softcap together with a sink, a
-wrong shape or device) sends the call to the original backward with the reason counted, and so does an
-earlier FA4's backward whose forward left no record (it ran before ``enable()``): its LSE may include a sink
-that nothing passes on, and correcting it without the sink would be far off.
+(the forward wrapper files the sink it was given) — a sink-including LSE is never corrected towards the no-sink
+target — and returns in the backward's own format: the fourth value, dsink, only when the backward was given
+``learnable_sink``. A sink that the GProj tiers refuse (softcap together with a sink, a wrong shape or device)
+sends the call to the original backward with the reason counted, and so does an earlier FA4's backward whose
+forward left no record (it ran before ``enable()``): its LSE may include a sink that nothing passes on, and
+correcting it without the sink would be far off.
 """
 from __future__ import annotations
 
@@ -53,9 +63,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..runtime import config, telemetry
+from ..runtime.state import STATE
 from ..backends import compat
 from ..backends.spec import sink_unsupported_reason
+from ..dispatch.record import CallRecord, make_context
 from ..dispatch.router import BackwardTensors, run_backward
+from ..layers.scope import backward_layer
 from . import fa_records
 
 logger = logging.getLogger("gproj_patch")
@@ -63,7 +76,6 @@ logger = logging.getLogger("gproj_patch")
 # the private upstream names (backends/compat/): read from this module at install() (tests point them elsewhere)
 FA2_OPS = compat.FA2_BACKWARD_OPS
 FA3_OPS = compat.FA3_BACKWARD_OPS
-FORWARD_OPS = compat.FA_FORWARD_OPS
 FA4_FWD = compat.FA4_FORWARD
 FA_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn_3", "flash_attn.cute")
 FA4_MODULE, FA4_FN = compat.FA4_INTERFACE, compat.FA4_BACKWARD
@@ -89,7 +101,7 @@ class InstalledFlashAttn:
     """What ``install()`` did, to be undone by ``uninstall()`` (hook bookkeeping, not runtime state: ``reset()``
     leaves it alone). One instance, ``INSTALLED``, mutated in place and never re-bound."""
     restores: List[Tuple[str, Callable[[], None]]] = field(default_factory=list)  # (what, restore), in order
-    #: the backward restores ``uninstall()`` deferred until no record of a forward made while on is alive
+    #: FA4's backward restore, deferred by ``uninstall()`` until no record of a forward made while on is alive
     draining: List[Callable[[], None]] = field(default_factory=list)
 
 
@@ -158,13 +170,38 @@ def _softmax_d(b: dict, q4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, v
     return out
 
 
+def op_backward(b: dict, original: Callable[[], object], library: str, cfg: config.Config, node=None,
+                fake: Optional[Callable[[], torch.Tensor]] = None):
+    """FA2/FA3's backward op, decided here from its own arguments ``b`` (every parameter of the op, defaults
+    applied) and the options ``cfg`` in force now; ``original()`` runs the saved kernel; ``library`` names the
+    release (``flash_attn``, ``flash_attn_3``); ``node`` is the autograd node being run (its forward's layer);
+    ``fake()`` (optional) builds the op's auxiliary return value with the op's own shape."""
+    source = _call_source(library, b)
+    reason = _fallback_reason(b)
+    if reason is not None or cfg.mode == "off":
+        telemetry.record_backward("original", reason, telemetry.shape_class(source, _arg(b, "q"), _arg(b, "k")))
+        return original()
+    STATE.backward_pass(compat.graph_task_id(), _enclosing_seq)
+    layer = backward_layer(node) or STATE.next_backward_call_name()
+    context = make_context(source, layer, cfg, at_backward=True, in_graph=compat.is_compiled_graph_node(node))
+    record = fa_records.planned(CallRecord(fa_records.problem_of(b, None), context), b, _arg(b, "out"),
+                                _arg(b, "softmax_lse"))
+    return _carry_out(record, b, original, "softmax_d", fake)
+
+
+def _enclosing_seq() -> Optional[int]:
+    """The sequence number of the backward node this one runs inside (a reentrant checkpoint's), or None."""
+    node = compat.enclosing_backward_node()
+    return None if node is None else compat.node_sequence_nr(node)
+
+
 def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, returns: str = "softmax_d",
                           fake: Optional[Callable[[], torch.Tensor]] = None, *, forward_takes_sink: bool = False):
-    """The replacement body: ``b`` holds the call's arguments by name (every parameter of the backward, defaults
-    applied); ``original()`` runs the saved kernel; ``source`` names the library (``flash_attn_4``, ...);
-    ``fake()`` (optional) builds the op's auxiliary return value with the op's own shape;
+    """FA4's backward, running the record its forward filed: ``b`` holds the call's arguments by name (every
+    parameter of the backward, defaults applied); ``original()`` runs the saved function; ``source`` names the
+    library (``flash_attn_4``); ``fake()`` (optional) builds the auxiliary return value;
     ``forward_takes_sink``: the library's forward accepts a learnable sink."""
-    q, k, v = _arg(b, "q"), _arg(b, "k"), _arg(b, "v")
+    q, k = _arg(b, "q"), _arg(b, "k")
     lse = _arg(b, "softmax_lse", "lse")
     given_sink = _arg(b, FA4_SINK)  # FA4 ≥ #2706 passes the sink and then returns its gradient too
     varlen = _arg(b, "cu_seqlens_q") is not None
@@ -181,6 +218,17 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
     if reason is not None or forward.context.mode == "off":
         telemetry.record_backward("original", reason, telemetry.shape_class(forward.context.source, q, k))
         return original()
+    return _carry_out(forward.call, b, original, returns, fake, given_sink)
+
+
+def _carry_out(record: CallRecord, b: dict, original: Callable[[], object], returns: str,
+               fake: Optional[Callable[[], torch.Tensor]], given_sink: Optional[torch.Tensor] = None):
+    """The planned ``record`` run on the call ``b``; returns what the library's backward returns: the auxiliary
+    value (``returns="softmax_d"``, FA2/FA3, gradients written into the dq/dk/dv buffers) or the gradients
+    (``"grads"``, FA4's ``(dq, dk, dv[, dsink])``)."""
+    q, k, v = _arg(b, "q"), _arg(b, "k"), _arg(b, "v")
+    lse = _arg(b, "softmax_lse", "lse")
+    varlen = _arg(b, "cu_seqlens_q") is not None
     do, o = _arg(b, "dout", "do"), _arg(b, "out", "o")
     if do.shape[-1] < v.shape[-1]:  # head dim padded to a multiple of 8 by the caller, dout not
         do = torch.nn.functional.pad(do, [0, v.shape[-1] - do.shape[-1]])
@@ -194,7 +242,7 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
             dq_b, dk_b, dv_b = result["ret"][:3]
         return tuple(_to_bhsd(t, varlen) for t in (dq_b, dk_b, dv_b))
 
-    grads = run_backward(forward.call, BackwardTensors(do4, q4, k4, v4, o4, lse), run_original)
+    grads = run_backward(record, BackwardTensors(do4, q4, k4, v4, o4, lse), run_original)
     if "ret" in result:  # the original kernel ran and filled the buffers itself
         return result["ret"]
     outs = []
@@ -226,7 +274,7 @@ def _library(qualname: str) -> str:
 
 
 def _call_source(library: str, b: dict) -> str:
-    """The source of one call (its shape class and an unrecorded call's layer): library and dense/varlen."""
+    """The source of one call (its shape class; an unrecorded FA4 call's layer): library and dense/varlen."""
     return f"{library}:{'varlen' if _arg(b, 'cu_seqlens_q') is not None else 'dense'}"
 
 
@@ -250,7 +298,8 @@ def _register(opdef, device_type: str, kernel: Callable) -> Callable[[], None]:
 
 
 def patch_op(qualname: str, device_type: str = "cuda") -> Callable[[], None]:
-    """Re-register ``qualname``'s kernel for ``device_type`` with the corrected backward; returns ``restore``.
+    """Re-register ``qualname``'s kernel for ``device_type`` with the corrected backward (``op_backward``);
+    returns ``restore``.
 
     ``qualname`` must be a ``torch.library.custom_op`` with flash-attn's argument names (FA2 dense / varlen,
     FA3); the previous kernel stays reachable as the "original" backward and is put back by ``restore()``.
@@ -265,19 +314,14 @@ def patch_op(qualname: str, device_type: str = "cuda") -> Callable[[], None]:
     library = _library(qualname)
 
     def kernel(*args, **kwargs):
+        cfg = config.active()
+        if cfg is None:  # disable() ran while this call was on its way here: the original, untouched
+            return previous(*args, **kwargs)
         fake = compat.custom_op_fake(opdef)
-        return corrected_fa_backward(bind(args, kwargs), lambda: previous(*args, **kwargs), library,
-                                     fake=None if fake is None else (lambda: fake(*args, **kwargs)))
+        return op_backward(bind(args, kwargs), lambda: previous(*args, **kwargs), library, cfg,
+                           compat.current_autograd_node(),
+                           fake=None if fake is None else (lambda: fake(*args, **kwargs)))
     return _register(opdef, device_type, kernel)
-
-
-def patch_forward_op(qualname: str, device_type: str = "cuda") -> Callable[[], None]:
-    """Wrap a flash-attn forward op's kernel so each call files its record (output untouched)."""
-    opdef = _opdef(qualname)
-    previous = compat.custom_op_kernel(opdef, device_type)
-    library = _library(qualname)
-    return _register(opdef, device_type, fa_records.recording(
-        previous, inspect.signature(compat.custom_op_signature_fn(opdef)), lambda b: _call_source(library, b)))
 
 
 def _patch_attr(module, name: str, library: str, backward: bool) -> Callable[[], None]:
@@ -319,7 +363,7 @@ def _has_kernel(qualname: str) -> bool:
 def install() -> str:
     if INSTALLED.restores:
         return "installed"
-    _finish_draining()  # a previous disable() still waiting: put the originals back first, then patch anew
+    _finish_draining()  # a previous disable() still waiting: put FA4's backward back first, then patch anew
     for mod in FA_MODULES:
         if _importable(mod):
             try:
@@ -331,9 +375,6 @@ def install() -> str:
         for qualname in FA2_OPS + FA3_OPS:
             if _has_kernel(qualname):
                 done[qualname] = patch_op(qualname, DEVICE_TYPE)
-        for qualname in FORWARD_OPS:
-            if _has_kernel(qualname):
-                done[qualname] = patch_forward_op(qualname, DEVICE_TYPE)
         fa4 = compat.fa4_interface()
         if fa4 is not None:
             done[f"{FA4_MODULE}.{FA4_FN}"] = _patch_attr(fa4, FA4_FN, FA4_LIBRARY, backward=True)
@@ -349,17 +390,18 @@ def install() -> str:
     return "installed: " + ", ".join(done)
 
 
-def _is_backward(what: str) -> bool:
-    return what in FA2_OPS + FA3_OPS or what.endswith("." + FA4_FN)
+def _awaits_records(what: str) -> bool:
+    """FA4's backward: it runs the records its forwards filed (FA2/FA3's backward ops need none)."""
+    return what.endswith("." + FA4_FN)
 
 
 def uninstall() -> None:
-    """Restore the forwards now; the backwards once no forward made under the patch awaits its backward (that
-    backward gets what its forward recorded, as on the SDPA paths)."""
+    """Restore FA2/FA3's backward kernels and FA4's forward now; FA4's backward once no FA4 forward made under
+    the patch awaits its backward (that backward runs what its forward recorded)."""
     deferred = []
     while INSTALLED.restores:
         what, restore = INSTALLED.restores.pop()
-        if _is_backward(what):
+        if _awaits_records(what):
             deferred.append(restore)
         else:
             restore()

@@ -28,7 +28,7 @@ HOOKS: Tuple[HookTarget, ...] = (
                "a Python kernel at the AutogradCUDA/AutogradCPU key of SDPA's fused backward ops",
                "every caller of SDPA's fused kernels, eager or compiled, varlen_attn, DTensor's local calls"),
     HookTarget("flash_attn", "gproj_patch.integrations.flash_attn",
-               "FA2/FA3 backward ops re-registered, their forward ops wrapped; FA4's functions proxied",
+               "FA2/FA3 backward ops' CUDA kernels re-registered (forward untouched); FA4's functions proxied",
                "every FlashAttn*Func, HF flash_attention_2/3, names bound at import"),
     HookTarget("transformers", "gproj_patch.integrations.transformers",
                'the "gproj" entry of HF\'s AttentionInterface; the other entries wrapped for layer names',

@@ -9,6 +9,7 @@
 * ``adversarial``: the adversarial BF16 kernel suite (key offsets to 512σ, sinks, P == 1 rows, ...), shared with
   ``python -m benchmarks.kernel`` and ``python -m benchmarks.gluon``.
 * ``fa4_standin``: a CPU stand-in for flash-attn-4's ``flash_attn.cute.interface``.
+* ``fa2_standin``: CPU stand-ins for FA2's and FA3's custom ops (the releases' schemas) and FA2's Functions.
 * ``launch_mismatch``: what the GProj kernel's two separate dP products do to dk.
 * ``kernel_build``: compile kernels for sm_90a on a GPU-less machine and read registers, spills and shared
   memory (the Gluon compile test; ``python -m benchmarks.ptx`` uses it too).

@@ -55,7 +55,7 @@ def install(monkeypatch):
     """``load(monkeypatch)`` for the flash-attn hook's tests: the stand-in as ``flash_attn.cute.interface``, the
     hook's FA2/FA3 op lists emptied (no flash-attn ops exist on the CPU), its call counters at zero."""
     from gproj_patch.integrations import flash_attn as fa_hook
-    for name in ("FA2_OPS", "FA3_OPS", "FORWARD_OPS"):
+    for name in ("FA2_OPS", "FA3_OPS"):
         monkeypatch.setattr(fa_hook, name, ())
     module = load(monkeypatch)
     module.CALLS.update(original=0, forward=0)

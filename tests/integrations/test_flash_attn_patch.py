@@ -1,6 +1,6 @@
-"""flash-attn hook: the mechanism (re-registering a custom op's kernel) tested on CPU against ops with FA2's
-schemas defined here; the real module is tested only where flash-attn and a GPU exist."""
-from typing import Optional
+"""flash-attn hook: the mechanism (re-registering a custom op's kernel) tested on CPU against ops with FA2's and
+FA3's schemas (``tests/helpers/fa2_standin.py``), called directly as the releases' Functions call them; the real
+module is tested only where flash-attn and a GPU exist. ``test_fa2_seam.py`` goes through the Functions."""
 
 import pytest
 import torch
@@ -9,56 +9,13 @@ import gproj_patch
 from gproj_patch.backends.reference import reference_backward, reference_forward
 from gproj_patch.integrations import flash_attn as fa_hook
 
-from tests.helpers import fa4_standin
+from tests.helpers import fa2_standin, fa4_standin
 from tests.helpers.numerics import bhsd as _bhsd, rel as _rel
 
-NS = "gproj_fa_test"
-CALLS = {"dense": 0, "varlen": 0}
-
-
-def _plain_backward(dout, q, k, v, scale, causal, cu=None):
-    """What the 'original' kernel computes here (any answer would do: tests only check which kernel ran)."""
-    varlen = cu is not None
-    grads = reference_backward(*(_bhsd(t, varlen) for t in (q, k, v, dout)), scale=scale, causal=causal,
-                               causal_align="bottom_right", cu_seqlens_q=cu, cu_seqlens_k=cu)
-    return [g[0].transpose(0, 1) if varlen else g.transpose(1, 2) for g in grads]
-
-
-@torch.library.custom_op(f"{NS}::_flash_attn_backward", mutates_args=("dq", "dk", "dv"), device_types=("cpu",))
-def _fa_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
-            dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
-            window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-            deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
-    CALLS["dense"] += 1
-    for buf, g in zip((dq, dk, dv), _plain_backward(dout, q, k, v, softmax_scale, causal)):
-        buf.copy_(g)
-    return softmax_lse.new_zeros(q.shape[0], q.shape[2], 128)
-
-
-@_fa_bwd.register_fake
-def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, *args, **kwargs):
-    return softmax_lse.new_empty(q.shape[0], q.shape[2], 7)  # a distinctive shape: the patched kernel must copy it
-
-
-@torch.library.custom_op(f"{NS}::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"),
-                         device_types=("cpu",))
-def _fa_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
-                   dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                   max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-                   window_size_left: int, window_size_right: int, softcap: float,
-                   alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-                   rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor:
-    CALLS["varlen"] += 1
-    for buf, g in zip((dq, dk, dv), _plain_backward(dout, q, k, v, softmax_scale, causal, cu_seqlens_q)):
-        buf.copy_(g)
-    return softmax_lse.new_zeros(q.shape[1], q.shape[0] + 128)
-
-
-# bound at import time, as flash_attn_interface does (``_wrapped_flash_attn_backward = torch.ops...``)
-_wrapped_bwd = torch.ops.gproj_fa_test._flash_attn_backward
-_wrapped_varlen_bwd = torch.ops.gproj_fa_test._flash_attn_varlen_backward
+NS = fa2_standin.NS
+CALLS = fa2_standin.CALLS
+_wrapped_bwd = fa2_standin.wrapped_bwd  # bound at import time, as flash_attn_interface binds its ops
+_wrapped_varlen_bwd = fa2_standin.wrapped_varlen_bwd
 
 
 def _fa_inputs(B=2, S=32, H=4, Hkv=2, D=16, offset=16.0, seed=0, varlen_lens=None):
@@ -83,14 +40,12 @@ def _forward(q, k, v, causal, cu=None, window=(-1, -1)):
 
 @pytest.fixture(autouse=True)
 def _clean(patch_off):
-    CALLS.update(dense=0, varlen=0)
+    fa2_standin.reset_calls()
 
 
 def _enable_with_test_ops(monkeypatch, mode="gproj"):
-    """enable() patches the CUDA kernels of the ops in FA2_OPS; point it at the test ops' CPU kernels."""
-    monkeypatch.setattr(fa_hook, "FA2_OPS", (f"{NS}::_flash_attn_backward", f"{NS}::_flash_attn_varlen_backward"))
-    monkeypatch.setattr(fa_hook, "FA3_OPS", ())
-    monkeypatch.setattr(fa_hook, "DEVICE_TYPE", "cpu")
+    """enable() patches the CUDA kernels of the ops in FA2_OPS / FA3_OPS; point it at the stand-ins' CPU kernels."""
+    fa2_standin.point_hook_here(monkeypatch)
     return gproj_patch.enable(mode=mode, targets=("flash_attn",))
 
 

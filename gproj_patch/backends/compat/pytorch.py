@@ -21,7 +21,7 @@ __all__ = ['SDPA_FLASH_BACKWARD', 'SDPA_EFFICIENT_BACKWARD', 'SDPA_CUDNN_BACKWAR
            'fused_node_backward', 'functorch_transform_active', 'forward_ad_active', 'saved_tensors_hooks_enabled',
            'saved_tensors_default_hooks_active', 'graph_task_id', 'delayed_error', 'CUDAGRAPH_UNSAFE_TAGS',
            'custom_op_def', 'custom_op_kernel', 'set_custom_op_kernel', 'custom_op_fake', 'custom_op_signature_fn',
-           'FA2_BACKWARD_OPS', 'FA3_BACKWARD_OPS', 'FA_FORWARD_OPS', 'FA4_INTERFACE', 'FA4_BACKWARD', 'FA4_FORWARD',
+           'FA2_BACKWARD_OPS', 'FA3_BACKWARD_OPS', 'FA4_INTERFACE', 'FA4_BACKWARD', 'FA4_FORWARD',
            'fa4_interface', 'hf_registry_mapping', 'CP_ATTENTION_MODULE', 'RING_BACKWARD', 'RING_NAMES',
            'context_parallel_attention_module', 'dynamo_module_name']
 
@@ -364,14 +364,12 @@ def custom_op_signature_fn(opdef):
 
 
 # ---- flash-attn: the private ops and functions its hook replaces -----------------------------------------
-#: FA2's backward ops (dense, varlen; namespace ``flashattn`` in newer releases) and FA3's (one op for both)
+#: FA2's backward ops (dense, varlen) and FA3's (one op for both): the schemas of flash-attention's
+#: ``flash_attn/flash_attn_interface.py`` (2.7-2.8) and ``hopper/flash_attn_interface.py``. The ``flashattn``
+#: namespace appears in no Dao-AILab release source (checked to 2026-12); it is taken where a build defines it
 FA2_BACKWARD_OPS = ("flash_attn::_flash_attn_backward", "flash_attn::_flash_attn_varlen_backward",
                     "flashattn::_flash_attn_backward", "flashattn::_flash_attn_varlen_backward")
 FA3_BACKWARD_OPS = ("flash_attn_3::_flash_attn_backward",)
-#: the forward ops whose calls file their records (FA2 dense/varlen, both namespaces; FA3)
-FA_FORWARD_OPS = ("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward",
-                  "flashattn::_flash_attn_forward", "flashattn::_flash_attn_varlen_forward",
-                  "flash_attn_3::_flash_attn_forward")
 #: FA4: the interface module and its private module functions (looked up as globals by its autograd Functions)
 FA4_INTERFACE = "flash_attn.cute.interface"
 FA4_BACKWARD = "_flash_attn_bwd"
