@@ -55,7 +55,7 @@ from ..dispatch.plan import ForwardTensors, make_plan
 from ..dispatch.record import CallRecord, Problem, make_context
 from ..dispatch.router import BackwardTensors, run_backward
 from ..layers.scope import backward_layer
-from ..ops.masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
+from ..dispatch.masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 from ..runtime import config as _config
 from ..runtime import telemetry
 from ..runtime.state import STATE

@@ -17,7 +17,7 @@ attention backward's), tensor subclasses, nested tensors. PyTorch's flex has no 
 CPU call gets the FP32 tier (the original backward is unreachable there: ``original`` is None).
 
 Forward bits. On CUDA the original runs with grad on detached aliases (the same graph and kernel as the
-unpatched call; its saved tensors kept by the same detaching hooks as ``sdpa_call.inner_saved_tensors_hooks``, so an
+unpatched call; its saved tensors kept by the same detaching hooks as ``dispatch/autograd.inner_saved_tensors_hooks``, so an
 enclosing activation checkpoint never packs them); the inner graph is dropped at once except in
 ``auto``/``audit``, where its backward *is* the original. On CPU (no flex backward) it runs without grad.
 """
@@ -40,7 +40,7 @@ from .flex_call import (FLEX_ATTENTION, NO_FLEX_BACKWARD, OWN_FORWARD, SLICED_MA
                         original_flex, problem_for, routed_backward, score_mod_softcap, set_original,
                         softcap_score_mod, unsupported_reason)
 from .flex_compiled import compiled_flex
-from .sdpa_call import inner_saved_tensors_hooks
+from ..dispatch.autograd import inner_saved_tensors_hooks
 
 DEFAULT_CONFIG = Config()  # made once: a compiled region cannot construct it
 

@@ -9,7 +9,7 @@ the backward routes it (``router.run_backward``) as attention with the record's 
 * masks. HF's eager masks are additive floats (0 / the dtype's minimum, ``masking_utils.eager_mask``). One that
   only holds 0 and values ≤ ``MASKED_ADDITIVE`` is read as a boolean pattern: exactly causal / windowed →
   flags (at the forward); padding around those → flags + dead rows (right padding) or varlen segments (left
-  padding), checked at the backward against the zero-dO rows (``ops/masks.py``); anything else → the FP32 tier
+  padding), checked at the backward against the zero-dO rows (``dispatch/masks.py``); anything else → the FP32 tier
   with the mask itself, whose additive semantics are eager's (a fully masked row gets uniform weights, as in
   eager). A pattern is never taken from a float mask with fully masked rows at the forward: those rows differ
   between the float semantics (uniform) and the flags (empty), so they must be dead rows.
@@ -38,7 +38,7 @@ from ..dispatch.plan import ForwardTensors, kernel_reason, make_plan
 from ..runtime.config import POLICY_MODES
 from ..dispatch.record import CallRecord, Problem, make_context
 from ..dispatch.router import BackwardTensors, run_backward
-from .masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
+from ..dispatch.masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 
 #: an additive mask value at or below this hides its key: HF uses the dtype's minimum (−65504 for FP16 models,
 #: about −3.4e38 for BF16/FP32), and exp(s + m − rowmax) is 0 in fp32 once m is below −104 minus the spread of

@@ -23,7 +23,7 @@ from ..dispatch.autograd import once_differentiable, transform_reason
 from ..layers.scope import layer_scope
 from ..runtime import config as _config
 from ..runtime import telemetry
-from .sdpa_call import inner_saved_tensors_hooks
+from ..dispatch.autograd import inner_saved_tensors_hooks
 
 MATH_BACKEND = "SDPA chose no fused op (math backend): its backward is PyTorch's composite"
 
