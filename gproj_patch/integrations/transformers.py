@@ -46,7 +46,7 @@ from ..backends.spec import SINK_SOFTCAP_REASON
 from ..layers.scope import module_layer_name
 from ..ops import attention_sink
 from ..ops import hf_eager as eager_op
-from ..ops import sdpa as sdpa_op
+from . import sdpa as sdpa_hook
 from . import hf_layer_names
 from .restore import ABSENT, restore_by_identity
 
@@ -99,9 +99,9 @@ def gproj_attention_forward(module, query, key, value, attention_mask, dropout: 
         attention_mask = attention_mask.to(query.dtype)
     enable_gqa = key.shape[1] != query.shape[1]
     # the options: the enabled ones, else the environment's (the patch may be off: the name asked for GProj)
-    out = sdpa_op.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
-                        scale=scaling, enable_gqa=enable_gqa, cfg=config.active() or config.resolve(),
-                        layer=module_layer_name(module), source=SOURCE)
+    out = sdpa_hook.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
+                         scale=scaling, enable_gqa=enable_gqa, cfg=config.active() or config.resolve(),
+                         layer=module_layer_name(module), source=SOURCE)
     return out.transpose(1, 2).contiguous(), None
 
 
