@@ -41,10 +41,10 @@ Without the seam. ``sdpa()`` is SDPA with the corrected backward whether or not 
 ``F.scaled_dot_product_attention`` and the seam corrects its backward. Otherwise ``_Attention`` runs SDPA on
 detached aliases that require grad (PyTorch picks and runs its own fused kernel: the same output bits) and, in its
 backward, gives the fused node's own backward call — the op and the arguments autograd would pass it
-(``compat.fused_node_backward``) — to the seam's ``corrected``: the same decision, made in one place, which is why this
-autograd Function lives in the seam's module. PyTorch's backward ("original") is that op run below autograd. The
-gradients reach the caller's tensors through whatever SDPA did before its fused op (autocast's cast, a head-dim
-pad): the node's saved inputs keep their graph back to the aliases.
+(``compat.fused_node_backward``) — to the seam's ``corrected``: the same decision, made in one place, which is
+why this autograd Function lives in the seam's module. PyTorch's backward ("original") is that op run below
+autograd. The gradients reach the caller's tensors through whatever SDPA did before its fused op (autocast's
+cast, a head-dim pad): the node's saved inputs keep their graph back to the aliases.
 """
 from __future__ import annotations
 
