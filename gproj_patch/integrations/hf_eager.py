@@ -190,7 +190,8 @@ def unsupported_reason(fn, b: _Bound) -> Optional[str]:
         return "query/key/value are not plain tensors"
     if any(t.dim() != 4 or t.numel() == 0 for t in tensors):
         return "inputs are not non-empty 4-D (B, H, S, D)"
-    return transform_reason(*tensors) or _argument_reason(b, form) or mask_unsupported_reason(b.mask, b.query.shape[2], b.key.shape[2])
+    return (transform_reason(*tensors) or _argument_reason(b, form)
+            or mask_unsupported_reason(b.mask, b.query.shape[2], b.key.shape[2]))
 
 
 def eager_call(fn, args, kwargs):
@@ -224,7 +225,7 @@ def eager_call(fn, args, kwargs):
     return run_eager(call, b.query, b.key, b.value)
 
 
-# ------------------------------------------------------------------- the corrected backward of one call
+# --------------------------------------------------------------- the corrected backward of one call
 EagerFn = Callable[[Tensor, Tensor, Tensor, Optional[Tensor]], Tuple[Tensor, Optional[Tensor]]]
 
 
