@@ -216,7 +216,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opti
     """``torch.nn.functional.scaled_dot_product_attention`` with the corrected backward, whether or not
     ``enable()`` was called (options: the enabled ones, else the environment's GPROJ_* and the defaults).
     Same forward output as SDPA."""
-    from .ops.sdpa import sdpa
+    from .integrations.sdpa import sdpa
     return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa, cfg=_config.active() or _default_config())
 

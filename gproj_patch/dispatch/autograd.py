@@ -9,13 +9,19 @@
   counts the forward's inputs (``ctx.needs_input_grad``): the gradients then require grad through a node that
   raises ``SECOND_ORDER_ERROR`` when a backward reaches it; a ``create_graph`` backward that is never
   differentiated again is unaffected.
+* activation checkpointing around a hook that runs the original forward itself (SDPA without the seam, flex):
+  the inner graph's saved tensors must not be packed by the checkpoint's hooks (reading them would re-run the
+  checkpointed block), so that forward runs under ``inner_saved_tensors_hooks``. It lives here, beside the other
+  answers to what autograd does around a hooked call, because every hook with such a forward needs it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from ..backends import compat
 
@@ -49,3 +55,23 @@ def once_differentiable(backward):
             return outputs
         return compat.delayed_error(SECOND_ORDER_ERROR, outputs)
     return wrapper
+
+
+detach_pack = torch.Tensor.detach  # the saved-tensor pack hook (a C method: no Python frame per saved tensor)
+
+
+def identity_unpack(t: Tensor) -> Tensor:
+    return t
+
+
+def inner_saved_tensors_hooks():
+    """The pack/unpack hooks of an original forward run inside a hook, or nothing inside
+    ``disable_saved_tensors_hooks`` (entering hooks raises there; no checkpoint's hooks can be active then either).
+
+    Under activation checkpointing the inner node's saved tensors would be packed by the checkpoint, and reading
+    them would re-run the checkpointed block; these hooks keep them. The pack hook stores a *detached* alias:
+    storing the tensor itself would put an output inside its own grad_fn, a reference cycle through C++ that
+    Python's collector cannot see (every call's tensors would leak)."""
+    if compat.saved_tensors_hooks_enabled():
+        return torch.autograd.graph.saved_tensors_hooks(detach_pack, identity_unpack)
+    return contextlib.nullcontext()

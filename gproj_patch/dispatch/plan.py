@@ -25,7 +25,8 @@ Reasons are checked in order, each right before the fallback it causes. ``kernel
 
 The SDPA seam makes the plan in the backward op's kernel (it has no forward); under ``torch.compile`` that kernel
 runs when the compiled backward runs, and the compiled flex hook makes its plan inside its forward custom op at
-run time (``ops/flex_compiled.py``): a plan never enters a traced graph, so it cannot become a Dynamo guard.
+run time (``integrations/flex.py``, ``gproj::flex_context``): a plan never enters a traced graph, so it cannot
+become a Dynamo guard.
 """
 from __future__ import annotations
 

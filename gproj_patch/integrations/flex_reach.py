@@ -6,12 +6,15 @@ global of any module), ``flex_attention = torch.compile(flex_attention)`` made b
 a class attribute; the compiled wrapper closes over the function object), ``functools.partial``, HF's
 ``WrappedFlexAttention`` singleton. Every one of them calls the *same function object*, so every one of them
 runs whatever code object that function holds at call time. ``install()`` therefore replaces
-``flex_attention.__code__`` by the code of ``flex_attention`` below (same parameters, names, kinds and order;
-the defaults stay the function's own), whose body hands the call to the hook (``ops/flex.py``). Under
-``torch.compile`` Dynamo runs the frame of that code: a ``torch.compile(flex_attention)`` wrapper made before
-``enable()`` compiles the hook afresh (its cache lives on the old code object, which is back in use after
-``disable()``), and a compiled region that inlined ``flex_attention`` recompiles once, because Dynamo guards an
-inlined function by its ``__code__`` (``GuardBuilder.CLOSURE_MATCH``).
+``flex_attention.__code__`` by the code of the hook's function (``integrations/flex.py``'s ``flex_attention``:
+same parameters, names, kinds and order; the defaults stay the function's own), whose body hands the call to the
+hook. Under ``torch.compile`` Dynamo runs the frame of that code: a ``torch.compile(flex_attention)`` wrapper
+made before ``enable()`` compiles the hook afresh (its cache lives on the old code object, which is back in use
+after ``disable()``), and a compiled region that inlined ``flex_attention`` recompiles once, because Dynamo guards
+an inlined function by its ``__code__`` (``GuardBuilder.CLOSURE_MATCH``).
+
+This module is the mechanism only and imports nothing of the hook: the hook hands its function to ``install()``,
+so the hook's module imports this one and its function imports the hook, with no import circle.
 
 The original behaviour stays reachable through ``original``: a new function object with torch's original code,
 globals, defaults and attributes. The hook calls it for the forward and for every pass-through, so errors,
@@ -22,9 +25,9 @@ Identity is unchanged: ``torch.nn.attention.flex_attention.flex_attention`` is t
 function still holds the swapped one (by identity), else leaves it and warns.
 
 When the swap is refused (``swap_reason``: the module attribute is not a plain function — another library
-replaced it —, or its parameters differ from the ones ``flex_attention`` below was written for), the fallback
-replaces the module attribute only, and ``Reach.not_reached`` names every module global that still holds the
-function (those keep the uncorrected backward), logged once by the caller.
+replaced it —, or its parameters differ from the hook function's), the fallback replaces the module attribute
+with the hook's function only, and ``Reach.not_reached`` names every module global that still holds the function
+(those keep the uncorrected backward), logged once by the caller.
 """
 from __future__ import annotations
 
@@ -42,35 +45,20 @@ logger = logging.getLogger("gproj_patch")
 ATTRIBUTE = "torch.nn.attention.flex_attention.flex_attention"
 
 
-def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                   return_lse=False, kernel_options=None, *, return_aux=None):
-    """``flex_attention`` through the hook: the corrected backward where it is exact (``ops/flex.py``).
-
-    While installed this function's code also runs as torch's ``flex_attention`` (module docstring), with that
-    module's globals: the hook is therefore imported by its absolute name, not looked up as a global here."""
-    from gproj_patch.ops.flex import flex as hooked_flex
-    return hooked_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
-                       return_aux=return_aux)
-
-
-flex_attention.__gproj_patched__ = True
-TRAMPOLINE_CODE = flex_attention.__code__
-
-
 def _parameters(fn) -> Tuple[Tuple[str, object], ...]:
     """(name, kind) of each parameter, read from the code object (what a code swap must preserve)."""
     return tuple((p.name, p.kind) for p in inspect.signature(fn, follow_wrapped=False).parameters.values())
 
 
-def swap_reason(fn) -> Optional[str]:
-    """Why ``fn``'s code cannot be replaced by ``TRAMPOLINE_CODE`` (None: it can)."""
+def swap_reason(fn, hook: types.FunctionType) -> Optional[str]:
+    """Why ``fn``'s code cannot be replaced by the code of ``hook`` (None: it can)."""
     if type(fn) is not types.FunctionType:
         return f"{ATTRIBUTE} is {fn!r}, not torch's function (replaced by another library?)"
-    if fn.__code__ is TRAMPOLINE_CODE:
+    if fn.__code__ is hook.__code__:
         return f"{ATTRIBUTE} already runs this hook's code (another copy of gproj_patch?)"
     if fn.__code__.co_freevars:
         return f"{ATTRIBUTE} is a closure (free variables {fn.__code__.co_freevars})"
-    if _parameters(fn) != _parameters(flex_attention):
+    if _parameters(fn) != _parameters(hook):
         return f"{ATTRIBUTE}'s parameters differ from the ones this hook was written for: {inspect.signature(fn)}"
     return None
 
@@ -88,12 +76,14 @@ def copy_function(fn: types.FunctionType) -> types.FunctionType:
 @dataclass
 class Reach:
     """What ``install()`` did. ``function``: torch's function (its code swapped when ``swapped``);
-    ``original``: what the hook calls as the unpatched flex_attention; ``not_reached``: the bindings that keep
-    the original (fallback only); ``reason``: why the swap was refused (None when it was made)."""
+    ``original``: what the hook calls as the unpatched flex_attention; ``hook``: the hook's function (its code is
+    the swapped-in code; the module attribute in the fallback); ``not_reached``: the bindings that keep the
+    original (fallback only); ``reason``: why the swap was refused (None when it was made)."""
     function: Callable
     original: Callable
     original_code: Optional[types.CodeType]
     swapped: bool
+    hook: types.FunctionType
     reason: Optional[str] = None
     not_reached: Tuple[str, ...] = ()
 
@@ -106,18 +96,20 @@ class Reach:
                 f"torch.compile(flex_attention) objects made before it keep the uncorrected backward: {names}")
 
 
-def install(fa_module: types.ModuleType, bound_names: Callable[[Callable], List[str]]) -> Reach:
-    """Swap the code of ``fa_module.flex_attention`` (module docstring), or, when ``swap_reason`` refuses, replace
-    the module attribute and name the module globals (``bound_names(function)``) that keep the original."""
+def install(fa_module: types.ModuleType, hook: types.FunctionType,
+            bound_names: Callable[[Callable], List[str]]) -> Reach:
+    """Swap the code of ``fa_module.flex_attention`` for ``hook``'s (module docstring), or, when ``swap_reason``
+    refuses, replace the module attribute by ``hook`` and name the module globals (``bound_names(function)``)
+    that keep the original."""
     fn = fa_module.flex_attention
-    reason = swap_reason(fn)
+    reason = swap_reason(fn, hook)
     if reason is None:
-        reach = Reach(function=fn, original=copy_function(fn), original_code=fn.__code__, swapped=True)
-        fn.__code__ = TRAMPOLINE_CODE
+        reach = Reach(function=fn, original=copy_function(fn), original_code=fn.__code__, swapped=True, hook=hook)
+        fn.__code__ = hook.__code__
         return reach
     not_reached = tuple(bound_names(fn))
-    fa_module.flex_attention = flex_attention
-    return Reach(function=fn, original=fn, original_code=None, swapped=False, reason=reason,
+    fa_module.flex_attention = hook
+    return Reach(function=fn, original=fn, original_code=None, swapped=False, hook=hook, reason=reason,
                  not_reached=not_reached)
 
 
@@ -126,8 +118,8 @@ def uninstall(fa_module: types.ModuleType, reach: Reach) -> bool:
     module attribute only where this hook's function still sits. True when restored."""
     if not reach.swapped:
         from .restore import restore_by_identity
-        return restore_by_identity(vars(fa_module), "flex_attention", flex_attention, reach.function, ATTRIBUTE)
-    if reach.function.__code__ is TRAMPOLINE_CODE:
+        return restore_by_identity(vars(fa_module), "flex_attention", reach.hook, reach.function, ATTRIBUTE)
+    if reach.function.__code__ is reach.hook.__code__:
         reach.function.__code__ = reach.original_code
         return True
     logger.warning("%s.__code__ was replaced after enable() (now %r); left as it is", ATTRIBUTE,

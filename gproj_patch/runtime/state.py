@@ -127,7 +127,7 @@ class RuntimeState:
         # A plain list: Dynamo traces its append/pop (a ContextVar.set is a graph break) and reads the name as a
         # constant of the graph. Kept by identity (reset() clears it in place).
         self.traced_layers: List[str] = []
-        # the compiled flex hook (ops/flex_compiled.py): each forward op files its call's context
+        # the compiled flex hook (integrations/flex.py): each forward op files its call's context
         # and plan under a call number that travels through the graph to its backward op. A bounded channel, not
         # statistics: kept by reset() (a backward after a reset still finds its forward's plan); bounded by
         # COMPILED_CALLS_MAX (oldest dropped: forwards whose backward never runs); holds no tensor

@@ -187,7 +187,7 @@ def test_deferred_restores_are_held_once():
 def test_compiled_original_flex_cache_holds_one(monkeypatch):
     originals = [lambda *a, **k: i for i in range(4)]
     current = {"fn": originals[0]}
-    monkeypatch.setattr(flex_hook.flex_op, "original_flex", lambda: current["fn"])
+    monkeypatch.setattr(flex_hook, "original_flex", lambda: current["fn"])
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic=False: ("compiled", fn))
     monkeypatch.setattr(flex_hook, "_COMPILED_ORIGINAL", [])
     for fn in originals + originals[:1]:

@@ -8,7 +8,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import gproj_patch
 from tests.helpers.switches import cpu_kernel_on
 from gproj_patch.backends import compat
-from gproj_patch.ops import masks as gp_masks
+from gproj_patch.dispatch import masks as gp_masks
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.backends.spec import MaskSpec
 from tests.helpers.numerics import rel as _rel

@@ -14,8 +14,7 @@ import torch
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.integrations import flex as hook
-from gproj_patch.ops import flex as flex_op
-from gproj_patch.ops import flex_masks
+from gproj_patch.integrations import flex_masks
 
 fam = pytest.importorskip("torch.nn.attention.flex_attention")
 from tests.helpers.flex_cases import ORIGINAL_CODE, UNPATCHED, causal  # noqa: E402
@@ -27,7 +26,7 @@ from gproj_patch.audit.cases import get_case  # noqa: E402
 
 def unpatched(*args, **kwargs):
     """The original flex_attention, also while the hook is installed (``flex_reach``'s copy of it)."""
-    return flex_op.original_flex()(*args, **kwargs)
+    return hook.original_flex()(*args, **kwargs)
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -96,7 +95,7 @@ def test_install_uninstall_restore_by_identity():
     hf_before = AttentionInterface._global_mapping["flex_attention"]
     assert hook.install() == "installed" and hook.install() == "installed"
     assert fam.flex_attention is UNPATCHED and UNPATCHED.__code__ is hook.flex_attention.__code__  # code swapped
-    assert flex_op.original_flex() is not UNPATCHED and flex_op.original_flex().__code__ is ORIGINAL_CODE
+    assert hook.original_flex() is not UNPATCHED and hook.original_flex().__code__ is ORIGINAL_CODE
     assert AttentionInterface._global_mapping["flex_attention"] is hook.hf_flex_attention_forward
     hook.uninstall()
     hook.uninstall()
@@ -194,7 +193,7 @@ def test_documents_batch_gqa_softcap():
     k = (torch.randn(B, Hkv, S, D, generator=g) + 40.0).bfloat16()
     v, do = torch.randn(B, Hkv, S, D, generator=g).bfloat16(), torch.randn(B, H, S, D, generator=g).bfloat16()
     bm = _bm(documents(DOCS), S, S, B=B)
-    mod = flex_op.softcap_score_mod(20.0)
+    mod = hook.softcap_score_mod(20.0)
     with torch.no_grad():
         want = UNPATCHED(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=True)
     hook.install()
@@ -215,11 +214,11 @@ def test_packed_documents_pass_the_original_backward_through_unchanged():
     bm = _bm(documents(DOCS), S, S, B=B)
     verdict = flex_masks.analyse(bm.mask_mod, flex_masks.BlockStructure.of(bm), B, H, S, S, "cpu")
     from gproj_patch.dispatch.plan import ForwardTensors, make_plan
-    record = make_plan(CallRecord(flex_op.problem_for(verdict, 0.0, None, D),
+    record = make_plan(CallRecord(hook.problem_for(verdict, 0.0, None, D),
                                   Context(mode="off", tier_option="auto", layer="l", source="flex")),
                        ForwardTensors(q, k, v, None, None), has_original=True)
     own = tuple(torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(3))
-    got = flex_op.routed_backward(record, do, q, k, v, torch.zeros_like(q), None, lambda: own)
+    got = hook.routed_backward(record, do, q, k, v, torch.zeros_like(q), None, lambda: own)
     assert all(torch.equal(a, b) for a, b in zip(got, own))
     assert gproj_patch.stats()["original"] == 1
 
@@ -446,16 +445,15 @@ def test_hf_score_mod_closure_recognised():
     """HF's own score_mod closure (its code object, with cells as HF fills them) is read exactly."""
     import types
     hf_flex = pytest.importorskip("transformers.integrations.flex_attention")
-    from gproj_patch.ops import flex_call
-    code = flex_call._hf_score_mod_code()
+    code = hook._hf_score_mod_code()
     assert code is not None and set(code.co_freevars) == {"softcap", "score_mask", "position_bias"}
 
     def closure(**cells):
         return types.FunctionType(code, vars(hf_flex), "score_mod", None,
                                   tuple(types.CellType(cells.get(n)) for n in code.co_freevars))
-    assert flex_op.score_mod_softcap(closure(softcap=25.0)) == (25.0, None)
-    assert flex_op.score_mod_softcap(closure()) == (0.0, None)
-    assert flex_op.score_mod_softcap(closure(score_mask=torch.zeros(1, 1, 4, 4)))[1] is not None
+    assert hook.score_mod_softcap(closure(softcap=25.0)) == (25.0, None)
+    assert hook.score_mod_softcap(closure()) == (0.0, None)
+    assert hook.score_mod_softcap(closure(score_mask=torch.zeros(1, 1, 4, 4)))[1] is not None
     inp = _case("key_offset_128")
     hook.install()
     _, grads = _grads(fam.flex_attention, inp.q, inp.k, inp.v, inp.do, score_mod=closure(softcap=25.0))

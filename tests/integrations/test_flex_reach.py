@@ -162,7 +162,8 @@ def test_swap_refused_names_the_bindings_it_leaves(monkeypatch, caplog):
     monkeypatch.setattr(fam, "flex_attention", foreign)
     early = _module_with_early_binding("user_model_foreign")
     monkeypatch.setitem(sys.modules, "user_model_foreign", early)
-    assert flex_reach.swap_reason(foreign) is not None and flex_reach.swap_reason(original) is None
+    assert flex_reach.swap_reason(foreign, hook.flex_attention) is not None
+    assert flex_reach.swap_reason(original, hook.flex_attention) is None
     caplog.set_level(logging.WARNING, logger="gproj_patch")
     hook.INSTALLED.last_report = None
     for _ in range(2):

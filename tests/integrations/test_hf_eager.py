@@ -1,5 +1,5 @@
 """HF eager attention: ``integrations/hf_eager.py`` wraps every modeling module's
-``eager_attention_forward``; ``ops/hf_eager.py`` keeps its forward and routes its backward.
+``eager_attention_forward``; its ``run_eager`` keeps the forward and routes the backward.
 
 Checked: the forward and the returned attention weights bitwise equal to unpatched (a tiny Llama, a direct
 call); dq/dk/dv against the fp64 oracle on keys with a 128σ common offset — the FP32 tier on BF16 and the

@@ -1,6 +1,6 @@
 """HF ``"gproj"`` with learnable sinks (``s_aux``, gpt-oss) and softcap (Gemma 2).
 
-The forward is HF eager's own (gpt-oss's sink operations in ``ops/attention_sink.py``; Gemma 2's eager softcap
+The forward is HF eager's own (gpt-oss's sink operations in ``integrations/transformers.py``; Gemma 2's eager softcap
 function itself), checked bit for bit on tiny models and on direct calls; the backward goes through the router
 with ``Problem.sink`` / ``Problem.softcap`` and is checked against the fp64 oracle on keys with a 128σ offset
 the queries cannot see (the scores, the sink weights and the softcap's tanh keep their level; only the
@@ -19,7 +19,7 @@ import torch
 import gproj_patch
 from tests.helpers.switches import cpu_kernel_on
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.ops import attention_sink
+from gproj_patch.integrations import transformers as gproj_hf
 from tests.helpers.memory import flat as _flat
 
 transformers = pytest.importorskip("transformers")
@@ -90,8 +90,8 @@ def _pattern_args(pads, device="cpu"):
 # ------------------------------------------------------------------------------------------------ sinks
 def test_sink_forward_is_gpt_oss_eager_bit_for_bit():
     q, k, v, _, sink = make(torch.bfloat16)
-    mask = attention_sink.additive_mask(causal((0, 9)), torch.bfloat16)
-    ours = attention_sink.sink_attention_forward(q, k, v, mask, scaling=D ** -0.5, sink=sink)
+    mask = gproj_hf.additive_mask(causal((0, 9)), torch.bfloat16)
+    ours = gproj_hf.sink_attention_forward(q, k, v, mask, scaling=D ** -0.5, sink=sink)
     module = _Attention(sinks=sink)
     eager = getattr(modeling_gpt_oss.eager_attention_forward, "__gproj_original__",
                     modeling_gpt_oss.eager_attention_forward)
@@ -109,8 +109,8 @@ def test_sink_fp32_tier_bf16_matches_fp64(pads):
     def call():
         return gproj_attention_forward(module, q, k, v, mask, scaling=D ** -0.5, s_aux=sink)[0]
     out, got = _grads(call, q, k, v, do, sink)
-    plain_out, plain = _grads(lambda: attention_sink.sink_attention_forward(
-        q, k, v, attention_sink.additive_mask(pattern, q.dtype), scaling=D ** -0.5, sink=sink)[0], q, k, v, do, sink)
+    plain_out, plain = _grads(lambda: gproj_hf.sink_attention_forward(
+        q, k, v, gproj_hf.additive_mask(pattern, q.dtype), scaling=D ** -0.5, sink=sink)[0], q, k, v, do, sink)
     assert torch.equal(out, plain_out)
     want = reference_backward(*(t.detach() for t in (q, k, v)), do.transpose(1, 2), attn_mask=pattern,
                               scale=D ** -0.5, sink=sink.detach().float())
@@ -153,7 +153,7 @@ def test_sink_dropout_passes_through_with_a_reason():
     out.backward(do)
     assert sink.grad is not None
     assert gproj_patch.stats()["forward"] == {"original": 1}
-    assert attention_sink.DROPOUT_REASON in gproj_patch.stats()["fallback_reasons"]
+    assert gproj_hf.SINK_DROPOUT_REASON in gproj_patch.stats()["fallback_reasons"]
 
 
 # ---------------------------------------------------------------------------------------------- softcap
@@ -173,7 +173,7 @@ def test_softcap_fp32_tier_bf16_matches_fp64_and_eager_forward():
                                                       softcap=SOFTCAP)[0], q, k, v, do)
     eager = getattr(modeling_gemma2.eager_attention_forward, "__gproj_original__",
                     modeling_gemma2.eager_attention_forward)
-    mask = attention_sink.additive_mask(pattern, torch.bfloat16)
+    mask = gproj_hf.additive_mask(pattern, torch.bfloat16)
     plain_out, plain = _grads(lambda: eager(module, q, k, v, mask, scaling=D ** -0.5, softcap=SOFTCAP)[0],
                               q, k, v, do)
     assert torch.equal(out, plain_out)

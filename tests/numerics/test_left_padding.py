@@ -1,4 +1,4 @@
-"""Left padding handed to the kernel exactly: ``ops/masks.padding_as_varlen``.
+"""Left padding handed to the kernel exactly: ``dispatch/masks.padding_as_varlen``.
 
 A left-padded causal boolean mask (HF batch generation/training: pad rows fully masked, pad key columns masked
 for every live row) whose pad query rows have an exactly zero output gradient becomes varlen segments over
@@ -16,7 +16,7 @@ import torch
 from gproj_patch.dispatch import record, router
 from gproj_patch.runtime import telemetry
 from gproj_patch.backends.reference import reference_backward, reference_forward
-from gproj_patch.ops.masks import PackedPadding, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
+from gproj_patch.dispatch.masks import PackedPadding, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 from tests.helpers.numerics import rel
 
 B, H, HKV, S, D = 3, 4, 2, 40, 32

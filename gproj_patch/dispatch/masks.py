@@ -7,6 +7,10 @@ rows contribute nothing to any gradient, so the others are computed with the fla
 LSE = +inf (P = 0) in the kernel. ``padding_as_varlen`` (at the backward): left (and/or right) padding around a
 causal (or windowed) pattern, zero dO on every row that differs, handed to the kernel as varlen segments over
 the flattened batch (``PackedPadding``). All are exact; anything else stays a mask (FP32 tier).
+
+Why in ``dispatch/``: this is how one call's mask becomes its ``Problem`` (flags, dead rows, varlen segments) and
+its ``BackwardTensors`` on the way to the router, the same for every hook that takes a boolean mask (the SDPA
+seam, HF eager); it belongs to no single hook.
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends.spec import MaskSpec
+from ..backends.spec import MaskSpec, normalize_lse
+from .record import Problem
+from .router import BackwardTensors
 
 
 def mask_as_flags(attn_mask: Optional[Tensor], sq: int, sk: int):
@@ -151,11 +157,8 @@ def packed_call(pad: PackedPadding, problem, *, do: Tensor, q: Tensor, k: Tensor
                 lse: Optional[Tensor]):
     """(BackwardTensors, Problem) of a padded call as its packed varlen problem (``router.run_backward`` takes
     them; ``unpack_grads`` brings the gradients back). ``problem`` keeps its scale, softcap and sink."""
-    from ..dispatch.record import Problem
-    from ..dispatch.router import BackwardTensors
     packed_lse = None
     if lse is not None:
-        from ..backends.spec import normalize_lse
         packed_lse = pad.pack(normalize_lse(lse, *q.shape[:3]).unsqueeze(-1)).squeeze(-1)
     dead = pad.dead_rows[:, None, :, None]  # zero dO there: the FP32 tier reads no LSE (empty_rows_inert rows)
     packed_out = None

@@ -17,8 +17,11 @@ and only then recognises the mask exactly:
   evaluation, or — in the compiled path, which keeps only row summaries — rebuilt from rows that are key
   intervals), else a reason.
 
-``evaluate_chunk`` has no host synchronisation, so ``flex_compiled`` runs it inside the graph; ``classify``
-reads the row summaries (``Rows``) on the host.
+``evaluate_chunk`` has no host synchronisation, so the flex hook's compiled path runs it inside the graph;
+``classify`` reads the row summaries (``Rows``) on the host.
+
+Why a module of its own beside the flex hook (``flex.py``): it answers one question — what a ``BlockMask`` is, as
+the backends take it — from the mask alone, whoever intercepted the call; it imports nothing of the hook.
 
 The (b, h) grid evaluated is the call's (B, Hq), reduced to one index when ``mask_mod``'s bytecode never reads
 that argument (``reads_argument``), so it is exact for masks that depend on the batch or the head.
