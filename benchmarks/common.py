@@ -24,6 +24,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 import gproj_patch
+from gproj_patch.runtime.config import TIERS
 from tests.helpers.adversarial import TARGET  # noqa: F401  (re-exported: the 0.5% bound every gate uses)
 from tests.helpers.numerics import rel  # noqa: F401  (re-exported: the relative error every table reports)
 
@@ -271,7 +272,7 @@ def arm(mode: str, **options) -> None:
 def tiers() -> Dict[str, int]:
     """How many backwards each tier ran since the last reset."""
     s = gproj_patch.stats()
-    return {t: s[t] for t in ("gproj", "fp32", "original")}
+    return {t: s[t] for t in TIERS}
 
 
 def _attend(q, k, v):

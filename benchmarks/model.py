@@ -38,6 +38,7 @@ import torch.nn.functional as F
 import gproj_patch
 from benchmarks import common
 from gproj_patch.backends.reference import reference_backward
+from gproj_patch.runtime.config import TIERS
 
 log = logging.getLogger("benchmarks.model")
 
@@ -258,7 +259,7 @@ def backend_check(args, device):
                 row["forward_bitwise_equal"] = bool(torch.equal(out, plain))
                 row["dq_err_patched"] = rel(qq.grad, ref[0])
                 st = gproj_patch.stats()
-                row["tiers"] = {t: st[t] for t in ("gproj", "fp32", "original")}
+                row["tiers"] = {t: st[t] for t in TIERS}
                 row["fallbacks"] = st["fallback_reasons"]
         except RuntimeError as exc:  # backend not available for these inputs
             row["error"] = str(exc).splitlines()[0][:160]

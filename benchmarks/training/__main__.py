@@ -55,6 +55,7 @@ from benchmarks.training import data, probe, report
 from benchmarks.training.model import ARM_MODES, SMALL, RunConfig, build_model, induce_key_offset, lm_loss
 from gproj_patch import policy
 from gproj_patch.layers.tracking import track_layers
+from gproj_patch.runtime.config import TIERS
 
 log = logging.getLogger("benchmarks.training")
 
@@ -170,7 +171,7 @@ class Trainer:
         """Backward calls per tier that ran and fallback reasons during this step (differences of stats())."""
         after = gproj_patch.stats()
         calls, reasons = arm.curves["backward_calls"], arm.curves["fallback_reasons"]
-        for tier in ("gproj", "fp32", "original"):
+        for tier in TIERS:
             calls[tier] = calls.get(tier, 0) + int(after.get(tier, 0)) - int(before.get(tier, 0))
         old = before.get("fallback_reasons", {})
         for reason, n in after.get("fallback_reasons", {}).items():
