@@ -100,6 +100,7 @@ from ..layers.scope import module_layer
 from ..runtime import config as _config
 from ..runtime import telemetry
 from ..runtime.config import POLICY_MODES, Config
+from ..runtime.import_hooks import call_after_import
 from ..runtime.state import STATE
 from . import flex_reach
 from .flex_masks import (INCONSISTENT, NO_MASK, BlockMaps, BlockStructure, MaskVerdict, Rows, analyse, classify,
@@ -418,7 +419,6 @@ def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_
 
 
 # ---- under torch.compile (module docstring) -----------------------------------------------------------------------
-@assume_constant_result
 def _note_trace_reason(reason: str) -> bool:
     """Log (once) and count a pass-through decided while tracing, unless it is the hook's own forward (a compiled
     flex the eager hook calls: ``OWN_FORWARD``; read here, at trace time, so that no guard depends on it)."""
@@ -427,10 +427,21 @@ def _note_trace_reason(reason: str) -> bool:
     return True
 
 
-@assume_constant_result
 def _mask_grid(code: types.CodeType, block_batch: int, block_heads: int, batch: int, heads: int) -> Tuple[int, int]:
     """``flex_masks.grid`` at trace time (bytecode inspection is not traceable)."""
     return grid(code, block_batch, block_heads, batch, heads)
+
+
+def _mark_trace_constants() -> None:
+    """Dynamo evaluates these two once while it traces, their results constants of the graph
+    (``assume_constant_result``). Marked when Dynamo is imported — ``torch.compile`` imports it before it traces
+    anything — because the marker's import of Dynamo (~1 s) would otherwise fall on every ``enable()``, also in
+    programs that never compile."""
+    for fn in (_note_trace_reason, _mask_grid):
+        assume_constant_result(fn)
+
+
+call_after_import(compat.dynamo_module_name(), _mark_trace_constants)
 
 
 def _mask_summary(block_mask, batch: int, heads: int, sq: int, sk: int, device):
@@ -669,7 +680,6 @@ def install() -> str:
     if "transformers.modeling_utils" in sys.modules:
         _register_hf()
     elif importlib.util.find_spec("transformers") is not None:
-        from ..runtime.import_hooks import call_after_import
         INSTALLED.pending = call_after_import("transformers.modeling_utils", _register_on_import)
         if reach.swapped:
             return "installed (HF's 'flex_attention' hooked when transformers.modeling_utils is imported)"

@@ -241,6 +241,29 @@ def test_compat_dynamo_module_name():
     assert importlib.import_module(compat.dynamo_module_name()) is torch._dynamo
 
 
+def test_enable_does_not_import_dynamo_and_flex_marks_its_trace_constants_when_it_is():
+    """Dynamo's import (~1 s) is not part of ``enable()`` (every torch process under ``GPROJ_PATCH=1`` would pay
+    it); the flex hook's two trace-time constants get Dynamo's marker as soon as Dynamo is imported (what
+    ``torch._dynamo.assume_constant_result`` itself sets), before anything can be traced."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch, gproj_patch\n"
+        "gproj_patch.enable()\n"
+        "from gproj_patch.integrations import flex\n"
+        "assert 'torch._dynamo' not in sys.modules, 'enable() imported Dynamo'\n"
+        "marked = lambda: [getattr(f, '_dynamo_marked_constant', False) for f in (flex._mask_grid, flex._note_trace_reason)]\n"
+        "assert marked() == [False, False]\n"
+        "import torch._dynamo\n"
+        "probe = torch._dynamo.assume_constant_result(lambda: 0)\n"
+        "assert [f.__dict__.keys() >= probe.__dict__.keys() for f in (flex._mask_grid, flex._note_trace_reason)] == [True, True], probe.__dict__\n"
+        "assert marked() == [True, True]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "GPROJ_PATCH": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_compiled_calls_channel_stays_bounded_and_survives_reset(monkeypatch):
     """The compiled hooks' per-call channel (context and plan from the forward op to the backward op) keeps at
     most COMPILED_CALLS_MAX entries, oldest dropped, and reset() keeps it (a backward after a reset still finds
