@@ -11,8 +11,8 @@ package runs in an FA2/FA3 forward. The kernel is the one decision of the call, 
 the SDPA seam makes it (``integrations/sdpa.py``): the ``Problem`` from the backward's arguments (scale, causal,
 window, softcap, ``cu_seqlens_*`` / ``max_seqlen_*`` for varlen — every release passes all of them to the
 backward op), the context with the options in force at the backward and the layer of the autograd node being run
-(the ``FlashAttn*Func`` backward node whose forward ran in a named scope, else ``sdpa{n}``: ``backward_layer``,
-``STATE.next_backward_call_name``), then the plan (tier, kernel, ``auto``'s sample on q, k and the LSE).
+(the ``FlashAttn*Func`` backward node whose forward ran in a named scope, else ``sdpa{n}``:
+``layers.scope.backward_op_layer``), then the plan (tier, kernel, ``auto``'s sample on q, k and the LSE).
 
 Why the CUDA key and not an autograd key. The releases call their backward op inside ``FlashAttn*Func.backward``
 — below autograd already: the op has no autograd formula, nothing above its device kernel is the
@@ -63,12 +63,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..runtime import config, telemetry
-from ..runtime.state import STATE
 from ..backends import compat
 from ..backends.spec import sink_unsupported_reason
 from ..dispatch.record import CallRecord, make_context
 from ..dispatch.router import BackwardTensors, run_backward
-from ..layers.scope import backward_layer
+from ..layers.scope import backward_op_layer
 from . import fa_records
 
 logger = logging.getLogger("gproj_patch")
@@ -181,18 +180,11 @@ def op_backward(b: dict, original: Callable[[], object], library: str, cfg: conf
     if reason is not None or cfg.mode == "off":
         telemetry.record_backward("original", reason, telemetry.shape_class(source, _arg(b, "q"), _arg(b, "k")))
         return original()
-    STATE.backward_pass(compat.graph_task_id(), _enclosing_seq)
-    layer = backward_layer(node) or STATE.next_backward_call_name()
-    context = make_context(source, layer, cfg, at_backward=True, in_graph=compat.is_compiled_graph_node(node))
+    context = make_context(source, backward_op_layer(node), cfg, at_backward=True,
+                           in_graph=compat.is_compiled_graph_node(node))
     record = fa_records.planned(CallRecord(fa_records.problem_of(b, None), context), b, _arg(b, "out"),
                                 _arg(b, "softmax_lse"))
     return _carry_out(record, b, original, "softmax_d", fake)
-
-
-def _enclosing_seq() -> Optional[int]:
-    """The sequence number of the backward node this one runs inside (a reentrant checkpoint's), or None."""
-    node = compat.enclosing_backward_node()
-    return None if node is None else compat.node_sequence_nr(node)
 
 
 def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, returns: str = "softmax_d",

@@ -66,11 +66,10 @@ from ..dispatch.autograd import (SECOND_ORDER_ERROR, inner_saved_tensors_hooks, 
 from ..dispatch.plan import ForwardTensors, make_plan
 from ..dispatch.record import CallRecord, Problem, make_context
 from ..dispatch.router import BackwardTensors, run_backward
-from ..layers.scope import backward_layer, layer_scope
+from ..layers.scope import backward_op_layer, layer_scope
 from ..dispatch.masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 from ..runtime import config as _config
 from ..runtime import telemetry
-from ..runtime.state import STATE
 
 logger = logging.getLogger("gproj_patch")
 
@@ -271,12 +270,6 @@ def bind(op, args: tuple, kwargs: dict) -> Dict[str, Any]:
     return bound
 
 
-def _enclosing_seq() -> Optional[int]:
-    """The sequence number of the backward node this one runs inside (a reentrant checkpoint's), or None."""
-    node = compat.enclosing_backward_node()
-    return None if node is None else compat.node_sequence_nr(node)
-
-
 def _restore(spec: SeamOp, b: Dict[str, Any], call: SeamCall, grads) -> tuple:
     """(dq, dk, dv[, extra]) of the shared layout as the op returns them: its dimension order, its meta kernel's
     strides (a compiled graph reads them so; copied only where they differ), its dtype, its arity."""
@@ -385,9 +378,8 @@ def corrected(spec: SeamOp, b: Dict[str, Any], original: Callable[[], tuple], cf
         q = call.q if call is not None else b["query"]
         telemetry.record_pass_through(f"{source}: {reason}", telemetry.shape_class(source, q, None))
         return original()
-    STATE.backward_pass(compat.graph_task_id(), _enclosing_seq)
-    layer = backward_layer(node) or STATE.next_backward_call_name()
-    context = make_context(source, layer, cfg, at_backward=True, in_graph=compat.is_compiled_graph_node(node))
+    context = make_context(source, backward_op_layer(node), cfg, at_backward=True,
+                           in_graph=compat.is_compiled_graph_node(node))
     record = make_plan(CallRecord(_problem(call), context),
                        ForwardTensors(call.q, call.k, call.v, call.out, call.lse), has_original=has_original)
     to_shared = TO_SHARED[call.layout]

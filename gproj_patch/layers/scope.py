@@ -89,6 +89,23 @@ def backward_layer(node) -> Optional[str]:
     return STATE.spans.find(node_sequence_nr(node), threading.get_ident())
 
 
+def backward_op_layer(node) -> str:
+    """The layer of a call decided in its backward op (the SDPA seam, FA2/FA3's backward ops), which has no
+    forward record: the first such call of a new autograd graph task starts a new backward pass (and step, see
+    ``state.RuntimeState.backward_pass``); then the named scope ``node``'s forward ran in, else the pass's next
+    ``"sdpa{n}"``."""
+    from ..backends.compat import graph_task_id
+    STATE.backward_pass(graph_task_id(), _enclosing_sequence_nr)
+    return backward_layer(node) or STATE.next_backward_call_name()
+
+
+def _enclosing_sequence_nr() -> Optional[int]:
+    """The sequence number of the backward node this one runs inside (a reentrant checkpoint's), or None."""
+    from ..backends.compat import enclosing_backward_node, node_sequence_nr
+    node = enclosing_backward_node()
+    return None if node is None else node_sequence_nr(node)
+
+
 def module_layer_name(module) -> Optional[str]:
     """``"<AttentionClass>.<layer_idx>"`` of an HF attention module, None when it has no ``layer_idx``."""
     idx = getattr(module, "layer_idx", None)
