@@ -102,11 +102,15 @@ def shard_masses(p: Problem, keys: slice) -> torch.Tensor:
     return P.sum(-1)
 
 
-def shard_row_bounds(p: Problem, keys: slice, rel_tol: float = SHARD_MASS_REL_TOL):
-    """(fewest, most) rows a kernel's shard count may give for this shard, from the fp64 masses: a row is surely
-    a shard when its mass is clearly positive and misses 1 by twice the tolerance, and may be one when it has mass
-    and misses 1 by half of it (rows near the threshold go either way with the kernel's roundings)."""
+def shard_rows(p: Problem, keys: slice, rel_tol: float = SHARD_MASS_REL_TOL):
+    """(surely, maybe): boolean (B, H, S) masks of the rows a kernel must / may treat as shards of this shard,
+    from the fp64 masses: surely when the mass is clearly positive and misses 1 by twice the tolerance, maybe when
+    it has mass and misses 1 by half of it (rows near the threshold go either way with the kernel's roundings)."""
     m = shard_masses(p, keys)
-    fewest = int(((m > 1e-30) & ((m - 1).abs() > 2 * rel_tol)).sum())
-    most = int(((m > 0) & ((m - 1).abs() > rel_tol / 2)).sum())
-    return fewest, most
+    return (m > 1e-30) & ((m - 1).abs() > 2 * rel_tol), (m > 0) & ((m - 1).abs() > rel_tol / 2)
+
+
+def shard_row_bounds(p: Problem, keys: slice, rel_tol: float = SHARD_MASS_REL_TOL):
+    """(fewest, most) rows a kernel's shard count may give for this shard (``shard_rows``)."""
+    surely, maybe = shard_rows(p, keys, rel_tol)
+    return int(surely.sum()), int(maybe.sum())
