@@ -132,19 +132,21 @@ def run_backward(record: CallRecord, t: BackwardTensors, original: Optional[Call
         raise RuntimeError(plan.error)
     backward_ran()
     tier, reason = plan.tier, plan.reason
-    if tier == "original":  # the caller's backward takes the tensors as they are: nothing to prepare
+    # the caller's backward takes the tensors as they are: only the GProj tiers need them prepared
+    prepared = None if tier == "original" else _prepared(t, record)
+    if tier == "original":
         reason = stand_in_reason or reason
         grads = original()
     elif tier == "gproj":
-        grads = _run_kernel(_prepared(t, record), record.problem, plan.kernel)
+        grads = _run_kernel(prepared, record.problem, plan.kernel)
     else:
-        grads = _run_fp32(_prepared(t, record), record.problem, plan.fp32_kernel)
+        grads = _run_fp32(prepared, record.problem, plan.fp32_kernel)
     grads = _cast(tuple(grads), t)
     # the shape class only keys the once-per-class log of a reason: built only when there is one
     telemetry.record_backward(tier, reason, telemetry.shape_class(record.context.source, t.q, t.k) if reason else ())
     if record.context.mode in policy.MODES:
-        policy.after_backward(record, tier=tier, grads=grads, step=plan.step,
-                              fp32_grads=lambda: _run_fp32(_prepared(t, record), record.problem, plan.fp32_kernel))
+        policy.after_backward(record, tier=tier, grads=grads, step=plan.step, fp32_grads=lambda: _run_fp32(
+            prepared if prepared is not None else _prepared(t, record), record.problem, plan.fp32_kernel))
     return grads
 
 
