@@ -154,7 +154,9 @@ def fresh_times(args, ctx: str, out: str, log) -> dict:
                 pooled["graphs_recompiles"][a] = (g + r["graphs_recompiles"][a][0], c + r["graphs_recompiles"][a][1])
             log(f"  process {rep}/{a}: median {r['ms'][a]:.2f} ms")
     pooled["ms"] = {a: statistics.median(v) for a, v in pooled["times_ms"].items()}
-    return {k: (v or None) if k in ("peak_mib", "allocated_mib") else v for k, v in pooled.items()}
+    if not pooled["peak_mib"]:  # no CUDA: as step_times reports it
+        pooled["peak_mib"] = pooled["allocated_mib"] = None
+    return pooled
 
 
 def time_steps(args, device: str, log, out_folder: str) -> dict:

@@ -58,7 +58,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import policy
 from ..backends import compat
 from ..backends.spec import LOW_PRECISION, default_scale
 from ..dispatch.autograd import (SECOND_ORDER_ERROR, inner_saved_tensors_hooks, once_differentiable,
