@@ -37,7 +37,7 @@ import torch
 
 from .. import policy
 from ..backends.configs import gluon_measured_faster
-from ..runtime.config import POLICY_MODES
+from ..runtime.config import POLICY_MODES, Config
 from .record import BackwardPlan, CallRecord, KernelPlan, Problem
 from ..runtime.state import STATE
 
@@ -235,3 +235,14 @@ def make_plan(record: CallRecord, t: ForwardTensors, has_original: bool) -> Call
     else:
         plan = _plan(record, t, has_original, mask_as_flags=False, step=step, policy_tier=policy_tier)
     return CallRecord(record.problem, record.context, plan)
+
+
+def settled_original(cfg: Config, layer: str, has_original: bool) -> bool:
+    """Whether ``make_plan`` would plan "original" for a call of ``layer`` made now with the options ``cfg``,
+    without sampling it: mode "auto" (not "audit", whose plans also carry the FP32 form it compares with), the
+    tier option not "fp32", the hook has the caller's backward, and the layer's tier settled on "original" for
+    this sampling bucket (``policy.settled_tier``). A hook deciding in the backward op (it has no forward to make
+    the plan at) then runs ``router.run_settled_original`` instead of building the record and plan: the same
+    outcome and counts, for the host time of a healthy layer's call (most calls under ``auto``)."""
+    return (cfg.mode == "auto" and cfg.tier != "fp32" and has_original
+            and policy.settled_tier(layer, policy.effective_config(cfg.policy)) == "original")

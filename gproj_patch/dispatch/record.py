@@ -103,19 +103,22 @@ class CallRecord:
     plan: Optional[BackwardPlan] = None  # made at the forward by plan.make_plan; the backward executes it
 
 
+def forward_layer(layer: Optional[str] = None) -> str:
+    """The layer of an attention forward running now: the open ``layer_scope``'s name, else ``layer``, else the
+    step's next ``call{n}``; the forward is counted for the step (``state.forward_started``)."""
+    STATE.forward_started(graph_task_id())  # a checkpoint's recomputation runs inside a backward
+    return current_layer() or layer or layer_id()
+
+
 def make_context(source: str, layer: Optional[str] = None, cfg: Optional[_config.Config] = None, *,
-                 at_backward: bool = False, in_graph: bool = False) -> Context:
+                 named: bool = False, in_graph: bool = False) -> Context:
     """The context of a call: the active configuration (else ``cfg``, else the environment's), and its layer.
 
-    At a forward (every hook but the SDPA seam): the open ``layer_scope``'s name, else ``layer``, else the step's
-    next ``call{n}``. At the backward (``at_backward``: the seam, which has no forward): ``layer`` as given — the
-    scope a forward was in is not open any more, and one open around ``loss.backward()`` names no call."""
+    At a forward: ``forward_layer(layer)``. ``named``: ``layer`` is the call's name already — taken by the
+    forward (``forward_layer``), or by a hook deciding in the backward op (the SDPA seam, FA2/FA3), where the
+    scope a forward was in is not open any more and one open around ``loss.backward()`` names no call."""
     cfg = _config.active() or cfg or _config.resolve()
-    if at_backward:
-        name = layer
-    else:
-        STATE.forward_started(graph_task_id())  # a checkpoint's recomputation runs inside a backward
-        name = current_layer() or layer or layer_id()
+    name = layer if named else forward_layer(layer)
     return Context(mode=cfg.mode, tier_option=cfg.tier, layer=name, source=source,
                    policy=effective_config(cfg.policy), kv_major=cfg.kv_major, dq_major=cfg.dq_major,
                    cpu_kernel=cfg.cpu_kernel, in_graph=in_graph)

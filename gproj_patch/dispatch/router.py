@@ -150,6 +150,16 @@ def run_backward(record: CallRecord, t: BackwardTensors, original: Optional[Call
     return grads
 
 
+def run_settled_original(layer: str, original: Callable[[], Grads]) -> Grads:
+    """The caller's own backward for a call ``plan.settled_original`` answered for (``auto``, its layer settled on
+    "original", no sample due), counted as ``run_backward`` counts a planned "original" without a reason."""
+    backward_ran()
+    grads = original()
+    telemetry.record_backward("original")
+    policy.count_ran(layer, "original")
+    return grads
+
+
 def _prepared(t: BackwardTensors, record: CallRecord) -> BackwardTensors:
     """The tensors as the GProj tiers take them: the LSE as (B, H, Sq) fp32, and the device's shard-row counter —
     rows found to be shards of a row are counted on the device, except inside a compiled graph: a counter made

@@ -32,9 +32,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..runtime import telemetry
-from ..dispatch.plan import ForwardTensors, make_plan
-from ..dispatch.record import CallRecord, Problem, make_context
+from ..runtime import config, telemetry
+from ..dispatch.plan import ForwardTensors, make_plan, settled_original
+from ..dispatch.record import CallRecord, Problem, forward_layer, make_context
 
 SINK_DTYPE = torch.float32  # the sink as the GProj tiers take it (exact for FA4's fp16/bf16/fp32 sinks)
 NO_RECORD_REASON = ("flash-attn: no forward record for this backward (forward ran before enable()); options and "
@@ -43,9 +43,12 @@ NO_RECORD_REASON = ("flash-attn: no forward record for this backward (forward ra
 
 @dataclass(frozen=True, eq=False)
 class ForwardRecord:
-    """What a flash-attn forward leaves for its backward: the call's complete record."""
-    call: CallRecord
+    """What a flash-attn forward leaves for its backward: the call's complete record, or (``settled``) only its
+    layer — ``auto`` found the layer settled on the original backward at the forward (``plan.settled_original``),
+    so no record or plan was made: the backward runs the library's own."""
+    call: Optional[CallRecord]
     recorded: bool = True  # False: no forward was seen (made at the backward from its arguments; sink unknown)
+    settled: Optional[str] = None  # the layer, when the forward planned "original" without a record
 
     @property
     def context(self):
@@ -162,11 +165,25 @@ def planned(record: CallRecord, b: dict, out: Optional[torch.Tensor], lse: Optio
     return make_plan(record, ForwardTensors(q, k, v, o, lse), has_original=True)
 
 
-def make_call_record(b: dict, source: str, sink: Optional[torch.Tensor], result=None) -> CallRecord:
-    """The record and plan of a forward running now: its problem from the arguments, the context active now,
-    the plan from its tensors (``result``: the forward's return value, output first)."""
+def make_call_record(b: dict, source: str, sink: Optional[torch.Tensor], result=None,
+                     layer: Optional[str] = None, cfg: Optional[config.Config] = None) -> CallRecord:
+    """The record and plan of a forward running now: its problem from the arguments, the context active now
+    (``layer``: the name ``forward_layer`` gave the call, else taken now; ``cfg``: the options, else the active
+    ones), the plan from its tensors (``result``: the forward's return value, output first)."""
     out = result[0] if isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor) else None
-    return planned(CallRecord(problem_of(b, sink), make_context(source)), b, out, lse_of(result))
+    context = make_context(source, layer, cfg, named=layer is not None)
+    return planned(CallRecord(problem_of(b, sink), context), b, out, lse_of(result))
+
+
+def forward_record(b: dict, source: str, sink: Optional[torch.Tensor], result) -> ForwardRecord:
+    """What a forward running now files for its backward: its layer only where ``auto`` has the layer settled
+    on the original backward and the call has no learnable sink (whose checks need the record's problem), else
+    the complete record (``make_call_record``)."""
+    cfg = config.active() or config.resolve()
+    layer = forward_layer()
+    if sink is None and settled_original(cfg, layer, has_original=True):
+        return ForwardRecord(None, settled=layer)
+    return ForwardRecord(make_call_record(b, source, sink, result, layer=layer, cfg=cfg))
 
 
 # ---- filing and finding -------------------------------------------------------------------------------------
@@ -204,12 +221,12 @@ def when_no_records(fn: Callable[[], None]) -> None:
     fn()
 
 
-def remember(lse, record: CallRecord) -> None:
+def remember(lse, record: ForwardRecord) -> None:
     """File ``record`` under the storage of ``lse``, the LSE its forward returned."""
     if not _fileable(lse):
         return
     storage = lse.untyped_storage()
-    key, entry = _key(lse), _Entry(weakref.ref(storage), tuple(lse.shape), ForwardRecord(record))
+    key, entry = _key(lse), _Entry(weakref.ref(storage), tuple(lse.shape), record)
     with _lock:
         _records[key] = entry
     weakref.finalize(storage, _drop, key, entry)
@@ -268,8 +285,8 @@ def recording(forward: Callable, signature: inspect.Signature, source_of: Callab
             b = bind(args, kwargs)
             if arg(b, "q") is not None:
                 sink = arg(b, sink_name) if sink_name else None
-                remember(lse, make_call_record(b, source_of(b), sink if isinstance(sink, torch.Tensor) else None,
-                                               result))
+                remember(lse, forward_record(b, source_of(b), sink if isinstance(sink, torch.Tensor) else None,
+                                             result))
         return result
     wrapped.__gproj_patched__ = True
     return wrapped

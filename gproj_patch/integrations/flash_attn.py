@@ -66,7 +66,8 @@ from ..runtime import config, telemetry
 from ..backends import compat
 from ..backends.spec import sink_unsupported_reason
 from ..dispatch.record import CallRecord, make_context
-from ..dispatch.router import BackwardTensors, run_backward
+from ..dispatch.plan import settled_original
+from ..dispatch.router import BackwardTensors, run_backward, run_settled_original
 from ..layers.scope import backward_op_layer
 from . import fa_records
 
@@ -180,8 +181,10 @@ def op_backward(b: dict, original: Callable[[], object], library: str, cfg: conf
     if reason is not None or cfg.mode == "off":
         telemetry.record_backward("original", reason, telemetry.shape_class(source, _arg(b, "q"), _arg(b, "k")))
         return original()
-    context = make_context(source, backward_op_layer(node), cfg, at_backward=True,
-                           in_graph=compat.is_compiled_graph_node(node))
+    layer = backward_op_layer(node)
+    if settled_original(cfg, layer, has_original=True):  # auto, a healthy layer between samples: no plan
+        return run_settled_original(layer, original)
+    context = make_context(source, layer, cfg, named=True, in_graph=compat.is_compiled_graph_node(node))
     record = fa_records.planned(CallRecord(fa_records.problem_of(b, None), context), b, _arg(b, "out"),
                                 _arg(b, "softmax_lse"))
     return _carry_out(record, b, original, "softmax_d", fake)
@@ -198,6 +201,15 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
     given_sink = _arg(b, FA4_SINK)  # FA4 ≥ #2706 passes the sink and then returns its gradient too
     varlen = _arg(b, "cu_seqlens_q") is not None
     forward = fa_records.find(lse)
+    if forward is not None and forward.settled is not None:
+        if given_sink is None:
+            # auto planned "original" at the forward (the layer settled, no sample due): its own backward
+            reason = _fallback_reason(b)
+            if reason is None:
+                return run_settled_original(forward.settled, original)
+            telemetry.record_backward("original", reason, telemetry.shape_class(_call_source(source, b), q, k))
+            return original()
+        forward = None  # a sink its forward did not have: not this call's record
     if forward is None:
         if config.active() is None:
             return original()  # disable() ran and this forward was not made under the patch: untouched

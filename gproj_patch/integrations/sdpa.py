@@ -62,9 +62,9 @@ from ..backends import compat
 from ..backends.spec import LOW_PRECISION, default_scale
 from ..dispatch.autograd import (SECOND_ORDER_ERROR, inner_saved_tensors_hooks, once_differentiable,
                                  transform_reason)
-from ..dispatch.plan import ForwardTensors, make_plan
+from ..dispatch.plan import ForwardTensors, make_plan, settled_original
 from ..dispatch.record import CallRecord, Problem, make_context
-from ..dispatch.router import BackwardTensors, run_backward
+from ..dispatch.router import BackwardTensors, run_backward, run_settled_original
 from ..layers.scope import backward_op_layer, layer_scope
 from ..dispatch.masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 from ..runtime import config as _config
@@ -377,8 +377,10 @@ def corrected(spec: SeamOp, b: Dict[str, Any], original: Callable[[], tuple], cf
         q = call.q if call is not None else b["query"]
         telemetry.record_pass_through(f"{source}: {reason}", telemetry.shape_class(source, q, None))
         return original()
-    context = make_context(source, backward_op_layer(node), cfg, at_backward=True,
-                           in_graph=compat.is_compiled_graph_node(node))
+    layer = backward_op_layer(node)
+    if settled_original(cfg, layer, has_original):  # auto, a healthy layer between samples: no record, no plan
+        return run_settled_original(layer, original)
+    context = make_context(source, layer, cfg, named=True, in_graph=compat.is_compiled_graph_node(node))
     record = make_plan(CallRecord(_problem(call), context),
                        ForwardTensors(call.q, call.k, call.v, call.out, call.lse), has_original=has_original)
     to_shared = TO_SHARED[call.layout]
@@ -485,7 +487,7 @@ def _backward(spec: SeamOp, op, keyset, args: tuple, kwargs: dict):
         return compat.redispatch_reentrant(op, keyset, args, kwargs)  # DTensor: its local calls come back here
     b = bind(op, args, kwargs)
     if spec.cudnn:
-        original = lambda: _cudnn_original(op, keyset, b)  # noqa: E731
+        original = lambda: _cudnn_original(op, keyset, args, kwargs, b)  # noqa: E731
     else:
         original = lambda: compat.redispatch_native(op, keyset, args, kwargs)  # noqa: E731
     known = not spec.cudnn or _cudnn_plan_known(b)
@@ -512,12 +514,16 @@ def _is_tracing(t: Tensor) -> bool:
     return name in ("FakeTensor", "FunctionalTensor") or t.device.type == "meta"
 
 
-def _cudnn_original(op, keyset, b: Dict[str, Any]):
+def _cudnn_original(op, keyset, args: tuple, kwargs: dict, b: Dict[str, Any]):
     """PyTorch's cuDNN backward with dO in the output's layout (module docstring)."""
-    key = _cudnn_key(b)
-    with CUDNN_KEYS.lock:
-        CUDNN_KEYS.ours.add(key)  # a plan this call builds has dO in the output's layout
-    b = dict(b, grad_out=_output_layout(b["grad_out"], b["out"]))
+    if CUDNN_KEYS.unknown_before:  # the keys the seam built are asked for only then (_cudnn_plan_known)
+        key = _cudnn_key(b)
+        with CUDNN_KEYS.lock:
+            CUDNN_KEYS.ours.add(key)  # a plan this call builds has dO in the output's layout
+    do = _output_layout(b["grad_out"], b["out"])
+    if do is b["grad_out"]:  # already so (the common case): the call as it came
+        return compat.redispatch_native(op, keyset, args, kwargs)
+    b = dict(b, grad_out=do)
     positional, keyword = _arg_split(op)
     return compat.redispatch_native(op, keyset, tuple(b[n] for n in positional), {n: b[n] for n in keyword})
 

@@ -188,19 +188,44 @@ def decide(record, *, q, k, lse) -> str:
         return rec.tier
 
 
+def settled_tier(layer: str, cfg: PolicyConfig) -> Optional[str]:
+    """The tier ``decide`` returns for a call of ``layer`` made now without sampling it: the layer's tier when its
+    sample of this step's bucket was taken already; None when ``decide`` must run (the layer's first call, or a
+    sample is due). Read without the lock (host time: every call of a settled layer asks): a sample another
+    thread takes meanwhile may change the tier right after, as it may right after ``decide`` returns."""
+    rec = STATE.layers.get(layer)
+    if rec is None or rec.sampled_bucket != STATE.step() // cfg.sample_every:
+        return None
+    return rec.tier
+
+
+def _count_ran(layer: str, tier: str) -> Optional[LayerRecord]:
+    """Count the tier that ran for ``layer`` (caller holds ``STATE.lock``); the layer's record, None if none."""
+    rec = STATE.layers.get(layer)
+    if rec is None:
+        return None
+    rec.calls[tier] += 1
+    rec.ran = tier
+    for event in rec.unran:  # a transition names the tier that actually ran for it
+        event["ran"] = tier
+    rec.unran.clear()
+    return rec
+
+
+def count_ran(layer: str, tier: str) -> None:
+    """Count the tier that ran for ``layer`` (a call that had no record: ``settled_tier`` answered for it)."""
+    with STATE.lock:
+        _count_ran(layer, tier)
+
+
 def after_backward(record, *, tier: str, grads: Sequence[Optional[Any]] = (), step: Optional[int] = None,
                    fp32_grads: Optional[Callable[[], Sequence[Optional[Any]]]] = None) -> None:
     """Count the tier that ran for the record's layer; in audit mode, on a sampled call, compare ``grads``
     with ``fp32_grads()`` and record the discrepancy under ``step`` (the plan's: the step of the forward)."""
     with STATE.lock:
-        rec = STATE.layers.get(record.context.layer)
+        rec = _count_ran(record.context.layer, tier)
         if rec is None:
             return
-        rec.calls[tier] += 1
-        rec.ran = tier
-        for event in rec.unran:  # a transition names the tier that actually ran for it
-            event["ran"] = tier
-        rec.unran.clear()
         if not rec.audit_pending or fp32_grads is None or record.context.mode != "audit":
             return
         rec.audit_pending = False

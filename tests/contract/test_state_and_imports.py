@@ -163,7 +163,7 @@ def test_forward_records_stay_bounded_by_live_lses():
     before = fa_records.live_records()
     lses = [torch.zeros(1, 2, 4) for _ in range(5)]
     for lse in lses:
-        fa_records.remember(lse, _record())
+        fa_records.remember(lse, fa_records.ForwardRecord(_record()))
     assert fa_records.live_records() == before + 5
     assert fa_records.find(lses[0]) is not None
     del lses, lse
@@ -176,7 +176,7 @@ def test_deferred_restores_are_held_once():
 
     def restore():
         ran.append(1)
-    fa_records.remember(lse, _record())
+    fa_records.remember(lse, fa_records.ForwardRecord(_record()))
     for _ in range(10):
         fa_records.when_no_records(restore)
     assert len(fa_records._when_empty) == 1 and not ran

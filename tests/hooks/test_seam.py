@@ -278,3 +278,64 @@ def test_efficient_op_asked_for_a_missing_bias_gradient_goes_to_pytorchs_kernel(
     gproj_patch.reset_stats()
     assert seam.corrected(spec, b, lambda: ran.append(1) or "pytorch's", config.resolve()) == "pytorch's"
     assert ran == [1] and gproj_patch.stats()["fallback_reasons"], gproj_patch.stats()
+
+
+def _auto_steps(monkeypatch, settled: bool, steps: int = 7):
+    """Two named layers, one with a large common key offset, over ``steps`` training steps in ``auto`` (sampled
+    every 3 steps); the plans made per layer, the gradients of every step, the counters and the policy's layers.
+    ``settled=False``: every call takes the full plan (the settled-layer shortcut switched off)."""
+    from gproj_patch import policy
+    from gproj_patch.dispatch import plan
+    if not settled:
+        monkeypatch.setattr(seam, "settled_original", lambda cfg, layer, has_original: False)
+    planned = []
+    real = plan.make_plan
+    monkeypatch.setattr(seam, "make_plan", lambda record, *a, **kw: planned.append(
+        (policy.current_step(), record.context.layer)) or real(record, *a, **kw))
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    gproj_patch.enable(mode="auto", targets=("sdpa",), sample_every=3)
+    healthy, sick = _inputs(offset=0.0, seed=1), _inputs(offset=64.0, seed=2)
+    grads = []
+    for _ in range(steps):
+        for name, (q, k, v, _) in (("healthy", healthy), ("sick", sick)):
+            q.grad = k.grad = v.grad = None
+        with gproj_patch.layer_scope("healthy"):
+            a = F.scaled_dot_product_attention(*healthy[:3], is_causal=True)
+        with gproj_patch.layer_scope("sick"):
+            b = F.scaled_dot_product_attention(*sick[:3], is_causal=True)
+        torch.autograd.backward([a, b], [healthy[3], sick[3]])
+        grads.append([t.grad.clone() for t in healthy[:3] + sick[:3]])
+    s = gproj_patch.stats()
+    counts = {t: s[t] for t in ("original", "gproj", "fp32")}
+    layers = {n: {key: r[key] for key in ("tier", "calls", "samples", "last_sampled_step")}
+              for n, r in policy.stats().items()}
+    gproj_patch.disable()
+    return planned, grads, counts, layers, (healthy, sick)
+
+
+def test_auto_settled_layer_runs_pytorchs_backward_without_a_plan(monkeypatch):
+    """``auto``: a layer settled on "original" runs PyTorch's backward between its samples without a record or a
+    plan (host time); the outcome — gradients, counters, the policy's layers — is the full decision's, and a
+    layer on the corrected tier is planned at every call."""
+    planned, grads, counts, layers, (healthy, sick) = _auto_steps(monkeypatch, settled=True)
+    full_planned, full_grads, full_counts, full_layers, _ = _auto_steps(monkeypatch, settled=False)
+    # planned: the healthy layer at its samples only (steps 0, 3, 6), the sick one every step
+    assert [s for s, n in planned if n == "healthy"] == [0, 3, 6]
+    assert [s for s, n in planned if n == "sick"] == list(range(7))
+    assert len(full_planned) == 14
+    assert counts == full_counts and counts["original"] == 7 and counts["gproj"] + counts["fp32"] == 7
+    assert layers == full_layers
+    assert layers["healthy"]["tier"] == "original" and layers["healthy"]["calls"]["original"] == 7
+    assert layers["sick"]["tier"] != "original" and layers["healthy"]["samples"] == 3  # on CPU "gproj" runs fp32
+    for got, want in zip(grads, full_grads):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    # the healthy layer's gradients are PyTorch's own, bit for bit; the sick one's corrected against fp64
+    gproj_patch.disable()
+    q, k, v, do = healthy
+    q.grad = k.grad = v.grad = None
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+    assert all(torch.equal(g, t.grad) for g, t in zip(grads[-1][:3], (q, k, v)))
+    q, k, v, do = sick
+    dq_ref = _ref(q, k, v, do, causal=True)[0]
+    assert rel(grads[-1][3], dq_ref) < BF16_TOL

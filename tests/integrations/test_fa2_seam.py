@@ -63,6 +63,17 @@ def _grads(fn, q, k, v, do):
     return [t.grad for t in leaves]
 
 
+def _scoped_forwards(layers):
+    """Each named layer's forward inside its ``layer_scope``: the leaves by name, and Σ out·dO over the layers."""
+    leaves, loss = {}, 0.0
+    for name, (q, k, v, do) in layers.items():
+        leaves[name] = _leaves(q, k, v)
+        with gproj_patch.layer_scope(name):
+            out = fa2_standin.flash_attn_func(*leaves[name], causal=True)
+        loss = loss + (out.float() * do.float()).sum()
+    return leaves, loss
+
+
 def test_forward_runs_no_package_code():
     """With the patch on, the forward ops keep their registered kernels (the same objects), nothing is filed,
     and a forward's outputs are bitwise those of the unpatched forward."""
@@ -131,12 +142,7 @@ def test_layers_are_the_forwards_scopes_and_auto_samples_at_the_backward(monkeyp
     seen = _seen_records(monkeypatch)
     gproj_patch.enable(mode="auto", targets=("flash_attn",), sample_every=1)
     layers = {"layers.0": _inputs(4, 0.0), "layers.1": _inputs(5, SICK_OFFSET)}
-    leaves, loss = {}, 0.0
-    for name, (q, k, v, do) in layers.items():
-        leaves[name] = _leaves(q, k, v)
-        with gproj_patch.layer_scope(name):
-            out = fa2_standin.flash_attn_func(*leaves[name], causal=True)
-        loss = loss + (out.float() * do.float()).sum()
+    leaves, loss = _scoped_forwards(layers)
     q, k, v, do = _inputs(6, 0.0)
     loss = loss + (fa2_standin.flash_attn_func(*_leaves(q, k, v), causal=True).float() * do.float()).sum()
     loss.backward()
@@ -245,3 +251,38 @@ def test_compiled_backward_graph_reaches_the_kernel(monkeypatch):
     assert CALLS["dense"] == 0 and len(seen) == 1 and seen[0].context.in_graph
     for g, want in zip(got, _oracle(q, k, v, do)):
         assert _rel(fa2_standin.bhsd(g, False), want) < BOUND
+
+
+def test_auto_settled_layer_runs_the_saved_kernel_without_a_plan(monkeypatch):
+    """``auto``: between its samples a layer settled on the original backward runs the saved kernel at the
+    backward op without a record or a plan; the gradients, counters and the policy's layers are those of the
+    complete decision made every call."""
+    from gproj_patch.dispatch import plan
+
+    def run(settled: bool):
+        monkeypatch.setattr(fa_hook, "settled_original", plan.settled_original if settled else
+                            (lambda cfg, layer, has_original: False))
+        seen = _seen_records(monkeypatch)
+        gproj_patch.disable()
+        gproj_patch.reset_stats()
+        fa2_standin.reset_calls()
+        gproj_patch.enable(mode="auto", targets=("flash_attn",), sample_every=3)
+        layers = {"healthy": _inputs(7, 0.0), "sick": _inputs(8, SICK_OFFSET)}
+        grads = []
+        for _ in range(5):
+            leaves, loss = _scoped_forwards(layers)
+            loss.backward()
+            grads.append([t.grad for name in layers for t in leaves[name]])
+        s = gproj_patch.stats()
+        out = ([(r.plan.step, r.context.layer) for r in seen], grads, {t: s[t] for t in ("original", "fp32")},
+               {n: (r["tier"], r["calls"], r["samples"]) for n, r in policy.stats().items()}, CALLS["dense"])
+        gproj_patch.disable()
+        return out
+    planned, grads, counts, layers, kernel_calls = run(settled=True)
+    full_planned, full_grads, full_counts, full_layers, full_kernel_calls = run(settled=False)
+    assert [s for s, n in planned if n == "healthy"] == [0, 3]
+    assert [s for s, n in full_planned if n == "healthy"] == list(range(5))
+    assert counts == full_counts == {"original": 5, "fp32": 5} and layers == full_layers
+    assert kernel_calls == full_kernel_calls == 5  # the saved kernel ran for the healthy layer every step
+    for got, want in zip(grads, full_grads):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))

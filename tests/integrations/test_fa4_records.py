@@ -185,3 +185,60 @@ def test_a_record_that_disagrees_with_its_backward_is_not_used(fa4):
     s = gproj_patch.stats()
     assert fa4.CALLS["original"] == 1 and s["original"] == 1
     assert any("disagree" in r for r in s["fallback_reasons"])
+
+
+_MAKE_CALL_RECORD = fa_records.make_call_record  # the module's own, whatever a test has patched in since
+
+
+def _auto_fa4_steps(fa4, monkeypatch, settled: bool, steps: int = 7):
+    """A healthy and a sick FA4 layer over ``steps`` training steps in ``auto`` (sampled every 3 steps): the
+    (step, layer) of every complete record made, the gradients of every step, the counters, FA4's own backward
+    calls. ``settled=False``: every forward makes the complete record (the settled-layer shortcut off)."""
+    if not settled:
+        monkeypatch.setattr(fa_records, "settled_original", lambda cfg, layer, has_original: False)
+    made = []
+    monkeypatch.setattr(fa_records, "make_call_record", lambda b, source, sink, result=None, **kw: made.append(
+        (policy.current_step(), kw.get("layer"))) or _MAKE_CALL_RECORD(b, source, sink, result, **kw))
+    gproj_patch.disable()
+    gproj_patch.reset_stats()
+    fa4.CALLS.update(original=0)
+    gproj_patch.enable(mode="auto", targets=("flash_attn",), sample_every=3)
+    layers = {"healthy": _layer_inputs(8, 0.0), "sick": _layer_inputs(9, SICK_OFFSET)}
+    grads = []
+    for _ in range(steps):
+        leaves, loss = {}, 0.0
+        for name, (q, k, v, do) in layers.items():
+            leaves[name] = [t.clone().requires_grad_() for t in (q, k, v)]
+            with gproj_patch.layer_scope(name):
+                out = fa4.flash_attn_func(*leaves[name], causal=True)[0]
+            loss = loss + (out.float() * do.float()).sum()
+        loss.backward()
+        grads.append([t.grad for name in layers for t in leaves[name]])
+    s = gproj_patch.stats()
+    counts = ({t: s[t] for t in ("original", "gproj", "fp32")}, dict(s["fallback_reasons"]))
+    records = {n: {key: r[key] for key in ("tier", "calls", "samples", "last_sampled_step")}
+               for n, r in policy.stats().items()}
+    gproj_patch.disable()
+    gc.collect()
+    return made, grads, counts, records, fa4.CALLS["original"], layers
+
+
+def test_auto_settled_fa4_layer_files_no_plan_same_outcome(fa4, monkeypatch):
+    """``auto``: an FA4 layer settled on the original backward files only its layer at the forward between its
+    samples (no record, no plan: host time) and its backward runs FA4's own; gradients, counters and the
+    policy's layers are those of the complete record every call, and no record outlives its backward."""
+    made, grads, counts, records, fa4_own, layers = _auto_fa4_steps(fa4, monkeypatch, settled=True)
+    assert fa_records.live_records() == 0
+    full_made, full_grads, full_counts, full_records, full_fa4_own, _ = _auto_fa4_steps(fa4, monkeypatch,
+                                                                                       settled=False)
+    assert [s for s, n in made if n == "healthy"] == [0, 3, 6]
+    assert [s for s, n in made if n == "sick"] == list(range(7))
+    assert len(full_made) == 14
+    assert counts == full_counts and counts[0]["original"] == 7 and not counts[1]
+    assert records == full_records and records["healthy"]["calls"]["original"] == 7
+    assert fa4_own == full_fa4_own == 7
+    for got, want in zip(grads, full_grads):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    q, k, v, do = layers["sick"]
+    for got, want in zip(grads[-1][3:], _oracle(q, k, v, do)):
+        assert _rel(_bhsd(got), want) < BOUND
