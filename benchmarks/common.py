@@ -126,15 +126,16 @@ def per_call_us(fn: Callable[[], object], n: int, reps: int, *, warm: int = 50,
     return statistics.median(blocks)
 
 
-def tottime_profile(fn: Callable[[], object], calls: int, top: int, *,
-                    sync_fn: Callable[[], None] = lambda: None) -> str:
-    """cProfile's table (by tottime, the first ``top`` rows) of ``calls`` calls of ``fn`` and one ``sync_fn()``."""
+def cprofile_table(fn: Callable[[], object], calls: int, top: int, *, order: str = "tottime",
+                   sync_fn: Callable[[], None] = lambda: None) -> str:
+    """cProfile's table (by ``order``, the first ``top`` rows) of ``calls`` calls of ``fn`` and one
+    ``sync_fn()``."""
     with cProfile.Profile() as profile:
         for _ in range(calls):
             fn()
         sync_fn()
     buf = io.StringIO()
-    pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profile, stream=buf).sort_stats(order).print_stats(top)
     return buf.getvalue()
 
 
@@ -280,14 +281,43 @@ def _attend(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def host_calls(mode: str, shape: Tuple[int, int, int, int], device: str, n: int, compiled: bool = False) -> dict:
-    """µs per causal SDPA forward+backward call at ``shape`` (B, H, S, D) in arm ``mode``: with a synchronize after
-    each call (``serial``: host and GPU in series) and one per ``n`` calls (``batched``: host-bound calls overlap
+def _fa4_attend(device: str):
+    """FA4's ``flash_attn_func`` (B, S, H, D), causal, its output alone (the release returns (out, lse))."""
+    iface, _ = fa4_interface(cpu=device == "cpu")
+
+    def attend(q, k, v):
+        out = iface.flash_attn_func(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+    return attend
+
+
+#: ``host_calls`` times its calls in this many blocks and reports the fastest: the host time of the call itself,
+#: whatever else the machine's CPUs did meanwhile (the blocks' spread was 2× on a shared GPU host)
+HOST_BLOCKS = 5
+
+
+def host_calls(mode: str, shape: Tuple[int, int, int, int], device: str, n: int, compiled: bool = False,
+               library: str = "sdpa", profile: int = 0) -> dict:
+    """µs per causal forward+backward call at ``shape`` (B, H, S, D) in arm ``mode``, the fastest of
+    ``HOST_BLOCKS`` blocks of ``n / HOST_BLOCKS`` calls (every block's in ``blocks``): with a synchronize after
+    each call (``serial``: host and GPU in series) and one per block (``batched``: host-bound calls overlap
     the GPU, so at a tiny shape this is host time); the tiers and KV-major launches that ran. BF16 on CUDA, FP16
     on the CPU (there the kernel tier runs through Triton's interpreter when ``GPROJ_TIER=triton``).
-    ``compiled``: the call under ``torch.compile(fullgraph=True)``, compiled by the warm-up calls."""
+    ``compiled``: the call under ``torch.compile(fullgraph=True)``, compiled by the warm-up calls. ``library``:
+    ``"sdpa"`` (``F.scaled_dot_product_attention``) or ``"fa4"`` (FA4's ``flash_attn_func`` on (B, S, H, D)
+    tensors of the same sizes; on the CPU the tests' stand-in). ``profile``: then a cProfile of that many calls,
+    its tables by tottime and by cumulative time (``profile`` in the result)."""
+    if library not in ("sdpa", "fa4"):
+        raise ValueError(f"library must be 'sdpa' or 'fa4', got {library!r}")
+    if library == "fa4" and compiled:
+        raise ValueError("the FA4 arms run eagerly (its CuTe functions are not compiled here)")
+    attend = _fa4_attend(device) if library == "fa4" else _attend  # imported first: enable() finds it
     arm(mode)
-    attend = torch.compile(own_code(_attend, mode), fullgraph=True) if compiled else _attend
+    if compiled:
+        attend = torch.compile(own_code(attend, mode), fullgraph=True)
+    if library == "fa4":
+        B, H, S, D = shape
+        shape = (B, S, H, D)
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(*shape, generator=g, device=device, dtype=dtype).requires_grad_() for _ in range(3))
@@ -298,17 +328,24 @@ def host_calls(mode: str, shape: Tuple[int, int, int, int], device: str, n: int,
     for _ in range(5):
         call()
     sync(device)
-    t = time.perf_counter()
-    for _ in range(n):
-        call()
+    blocks = {"serial": [], "batched": []}
+    size = max(1, n // HOST_BLOCKS)
+    for _ in range(HOST_BLOCKS):
+        t = time.perf_counter()
+        for _ in range(size):
+            call()
+            sync(device)
+        blocks["serial"].append((time.perf_counter() - t) / size * 1e6)
+        t = time.perf_counter()
+        for _ in range(size):
+            call()
         sync(device)
-    serial = (time.perf_counter() - t) / n * 1e6
-    t = time.perf_counter()
-    for _ in range(n):
-        call()
-    sync(device)
-    batched = (time.perf_counter() - t) / n * 1e6
-    out = dict(serial=serial, batched=batched, tiers=tiers(), kv_major=dict(gproj_patch.stats().get("kv_major", {})))
+        blocks["batched"].append((time.perf_counter() - t) / size * 1e6)
+    out = dict(serial=min(blocks["serial"]), batched=min(blocks["batched"]), blocks=blocks, tiers=tiers(),
+               kv_major=dict(gproj_patch.stats().get("kv_major", {})))
+    if profile:
+        out["profile"] = {order: cprofile_table(call, profile, 40, order=order, sync_fn=lambda: sync(device))
+                          for order in ("tottime", "cumulative")}
     gproj_patch.disable()
     return out
 

@@ -28,6 +28,10 @@
 #           shapes, host µs a call, the 0.5B step at 4K/16K (~5 min after the install). speed.json and speed.log in
 #           $OUT, the console (table last) in $OUT/speed_console.log. SPEED_ARGS: more options of benchmarks.speed
 #           (e.g. --skip-steps, --shapes 1,2, --deadline 240; default 330 s, steps given the last 75).
+#   host    carry: .whl/ext2 (right after stage1 or prepare, as stage2)
+#           installs flash-attn-4 the same way, then runs `python -m benchmarks.host --mode calls --fresh` for
+#           SDPA and for FA4 (each arm in a process of its own, the arms alternated twice): host µs a call,
+#           patched against unpatched. host_sdpa/ and host_fa4/ in $OUT. HOST_ARGS: more options of both runs.
 #
 # Run from the repository root: `bash benchmarks/external_gpu.sh stage1` (then `stage2`). Suite results in $OUT:
 # <suite>.log (everything, the diff of outcomes last), <suite>_summary.txt, <suite>_outcomes.json and
@@ -37,9 +41,9 @@ set -u
 cd "$(dirname "$0")/.."
 stage=${1:-}
 case "$stage" in
-prepare | stage1 | stage2 | timing | records | speed) ;;
+prepare | stage1 | stage2 | timing | records | speed | host) ;;
 *)
-    echo "usage: $0 stage1|stage2|prepare|timing|records|speed"
+    echo "usage: $0 stage1|stage2|prepare|timing|records|speed|host"
     exit 2
     ;;
 esac
@@ -124,6 +128,17 @@ speed)
     # shellcheck disable=SC2086  # SPEED_ARGS: more options of benchmarks.speed
     timeout 420 python3 -m benchmarks.speed --out "$OUT" ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed_console.log"
     exit "${PIPESTATUS[0]}"
+    ;;
+host)
+    install_fa4 || exit 3
+    rc=0
+    for library in sdpa fa4; do
+        # shellcheck disable=SC2086  # HOST_ARGS: more options of benchmarks.host, e.g. --n 500
+        timeout 200 python3 -m benchmarks.host --mode calls --fresh --rounds 2 --library "$library" \
+            --out "$OUT/host_$library" ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_${library}_console.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+    exit "$rc"
     ;;
 records)
     install_fa4 || exit 3

@@ -5,6 +5,7 @@ layer (``breakdown``), and per arm, plain or compiled, with a profiler trace (``
     python -m benchmarks.host --cpu [--path prepared|interp]                           # breakdown, CPU companion
     python -m benchmarks.host --mode calls [--modes unpatched,gproj,auto] [--compile] [--trace [--stack]]
     python -m benchmarks.host --mode calls --cpu --n 5 --trace       # CPU: 1·1·16·16, the kernel interpreted
+    python -m benchmarks.host --mode calls --fresh --rounds 2 [--library fa4]   # every arm its own process
 
 ``breakdown`` on a GPU (µs a call, each row the median of ``--reps`` blocks of ``--n`` calls with one synchronize
 a block, so at this shape host time):
@@ -32,7 +33,10 @@ launch-key lookup (the forward runs no package code). ``--path interp``: the CPU
 ``prepared``: the GPU's (``launch_cache``: a replay of a prepared launch whose launcher is a no-op: ``HostCache``).
 Check in the profile that no interpreter or kernel frame is left: the stub removes only the kernel work.
 
-``calls``: per arm µs a call with a synchronize per call and per ``--n`` calls (``common.host_calls``); with
+``calls``: per arm µs a call with a synchronize per call and per block, the fastest of 5 blocks of ``--n`` / 5
+calls (``common.host_calls``), the arms alternated ``--rounds`` times, with ``--fresh`` each in a process of its
+own; ``--library fa4``: FA4's
+``flash_attn_func`` instead of SDPA (installed: ``benchmarks/external_gpu.sh host``; on the CPU the stand-in); with
 ``--compile`` the call under ``torch.compile(fullgraph=True)``; with ``--trace`` a ``torch.profiler`` trace of 20
 calls per arm: the top operators by self CPU time (``--stack``: grouped by the top 4 Python frames) and, on CUDA,
 by device time, and ``host_trace_<arm>.json.gz`` for Perfetto.
@@ -44,7 +48,10 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import json
 import os
+import subprocess
+import sys
 import time
 import types
 
@@ -393,7 +400,7 @@ def breakdown(args, cuda: bool) -> dict:
             rows["gproj fwd+bwd, gc frozen"] = us(call)
         stats = common.tiers()
         layers, absent = inclusive(call, q, k, v, do, args.n, sync_fn=sync_fn)
-        profile = common.tottime_profile(call, 200, 25, sync_fn=sync_fn)
+        profile = common.cprofile_table(call, 200, 25, sync_fn=sync_fn)
     finally:
         gproj_patch.disable()
         if stub is not None:
@@ -466,20 +473,41 @@ def calls(args, cuda: bool, out: str, log) -> dict:
         torch.set_num_threads(1)  # tiny ops on a shared CPU otherwise time the OpenMP wake-ups
         args.n = min(args.n, 20)
     shape = tuple(int(x) for x in args.shape.split(","))
-    result = {"shape": list(shape), "device": device, "compiled": args.compile, "arms": {}}
-    for mode in args.modes.split(","):
-        r = common.host_calls(mode, shape, device, args.n, compiled=args.compile)
-        result["arms"][mode] = r
+    result = {"shape": list(shape), "device": device, "compiled": args.compile, "library": args.library,
+              "fresh": args.fresh, "arms": {}}
+    arms = [m for _ in range(args.rounds) for m in args.modes.split(",")]
+    for i, mode in enumerate(arms):
+        r = fresh_calls(args, mode, os.path.join(out, f"fresh_{i}_{mode}")) if args.fresh else \
+            common.host_calls(mode, shape, device, args.n, compiled=args.compile, library=args.library,
+                              profile=args.cprofile)
+        result["arms"].setdefault(mode, []).append(r)
         log(f"{mode:10s} {r['serial']:8.0f} µs a call (sync each), {r['batched']:8.0f} (sync per batch); tiers "
             f"{r['tiers']} kv_major {r['kv_major']}")
-        if args.trace:
+        for order, table in (r.get("profile") or {}).items():
+            log(f"--- {mode}: cProfile of {args.cprofile} calls by {order} ---\n{table}")
+        if args.trace and not args.fresh:
             log(trace(mode, shape, device, args.stack, args.rows, out))
-    log(f"\nhost µs a call at {'·'.join(map(str, shape))} causal on {device}"
-        f"{', the call under torch.compile' if args.compile else ''}:")
+    log(f"\nhost µs a call of {args.library} at {'·'.join(map(str, shape))} causal on {device}"
+        f"{', the call under torch.compile' if args.compile else ''}"
+        f"{', each arm in a process of its own' if args.fresh else ''} (one column per round):")
     log("| arm | µs a call, sync each call | µs a call, sync per batch |\n|---|---|---|")
-    for mode, r in result["arms"].items():
-        log(f"| {mode} | {r['serial']:.0f} | {r['batched']:.0f} |")
+    for mode, rs in result["arms"].items():
+        serial, batched = (" / ".join(f"{r[key]:.0f}" for r in rs) for key in ("serial", "batched"))
+        log(f"| {mode} | {serial} | {batched} |")
     return result
+
+
+def fresh_calls(args, mode: str, sub: str) -> dict:
+    """One arm's ``host_calls`` in a process of its own (a new interpreter: no other arm's state, caches or
+    CUDA backwards before it, as in a script that enables the patch before it trains)."""
+    cmd = [sys.executable, "-m", "benchmarks.host", "--mode", "calls", "--modes", mode, "--shape", args.shape,
+           "--n", str(args.n), "--library", args.library, "--cprofile", str(args.cprofile), "--out", sub] + \
+        (["--compile"] if args.compile else []) + (["--cpu"] if args.cpu else [])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    with open(os.path.join(sub, "host.json")) as f:
+        return json.load(f)["arms"][mode][0]
 
 # ------------------------------------------------------------------------------------------------------- main --
 
@@ -494,6 +522,11 @@ def parse(argv=None):
     ap.add_argument("--n", type=int, default=300, help="calls a block")
     ap.add_argument("--reps", type=int, default=5, help="blocks (breakdown)")
     ap.add_argument("--modes", default="unpatched,gproj,auto", help="arms (calls)")
+    ap.add_argument("--rounds", type=int, default=1, help="calls: the arms this many times, alternated")
+    ap.add_argument("--fresh", action="store_true", help="calls: every arm in a process of its own")
+    ap.add_argument("--cprofile", type=int, default=0, help="calls: then a cProfile of this many calls per arm")
+    ap.add_argument("--library", choices=("sdpa", "fa4"), default="sdpa",
+                    help="calls: SDPA, or FA4's flash_attn_func (installed; on the CPU the tests' stand-in)")
     ap.add_argument("--compile", action="store_true", help="calls: the call under torch.compile(fullgraph=True)")
     ap.add_argument("--trace", action="store_true", help="calls: a torch.profiler trace per arm")
     ap.add_argument("--stack", action="store_true", help="calls --trace: Python stacks, tables by the top 4 frames")
