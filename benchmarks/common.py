@@ -16,6 +16,8 @@ import os
 import platform
 import pstats
 import statistics
+import subprocess
+import sys
 import time
 import types
 from importlib import metadata
@@ -348,6 +350,22 @@ def host_calls(mode: str, shape: Tuple[int, int, int, int], device: str, n: int,
                           for order in ("tottime", "cumulative")}
     gproj_patch.disable()
     return out
+
+
+def fresh_host_calls(mode: str, shape: Tuple[int, int, int, int], n: int, out: str, *, cpu: bool = False,
+                     compiled: bool = False, library: str = "sdpa", profile: int = 0) -> dict:
+    """``host_calls`` of one arm in a process of its own (``python -m benchmarks.host --mode calls``, its files
+    under ``out``): no other arm's state, caches or CUDA backwards before it, as in a script that enables the
+    patch before it trains. In one process an arm enabled after another arm's CUDA backwards finds cuDNN plans it
+    did not build, and the cuDNN guard sends ``auto``'s original calls to the corrected tier."""
+    cmd = [sys.executable, "-m", "benchmarks.host", "--mode", "calls", "--modes", mode,
+           "--shape", ",".join(map(str, shape)), "--n", str(n), "--library", library, "--cprofile", str(profile),
+           "--out", out] + (["--compile"] if compiled else []) + (["--cpu"] if cpu else [])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    with open(os.path.join(out, "host.json")) as f:
+        return json.load(f)["arms"][mode][0]
 
 
 # ------------------------------------------------------------------------------------------- training step --

@@ -48,10 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import json
 import os
-import subprocess
-import sys
 import time
 import types
 
@@ -477,9 +474,13 @@ def calls(args, cuda: bool, out: str, log) -> dict:
               "fresh": args.fresh, "arms": {}}
     arms = [m for _ in range(args.rounds) for m in args.modes.split(",")]
     for i, mode in enumerate(arms):
-        r = fresh_calls(args, mode, os.path.join(out, f"fresh_{i}_{mode}")) if args.fresh else \
-            common.host_calls(mode, shape, device, args.n, compiled=args.compile, library=args.library,
-                              profile=args.cprofile)
+        if args.fresh:
+            r = common.fresh_host_calls(mode, shape, args.n, os.path.join(out, f"fresh_{i}_{mode}"),
+                                        cpu=not cuda, compiled=args.compile, library=args.library,
+                                        profile=args.cprofile)
+        else:
+            r = common.host_calls(mode, shape, device, args.n, compiled=args.compile, library=args.library,
+                                  profile=args.cprofile)
         result["arms"].setdefault(mode, []).append(r)
         log(f"{mode:10s} {r['serial']:8.0f} µs a call (sync each), {r['batched']:8.0f} (sync per batch); tiers "
             f"{r['tiers']} kv_major {r['kv_major']}")
@@ -496,18 +497,6 @@ def calls(args, cuda: bool, out: str, log) -> dict:
         log(f"| {mode} | {serial} | {batched} |")
     return result
 
-
-def fresh_calls(args, mode: str, sub: str) -> dict:
-    """One arm's ``host_calls`` in a process of its own (a new interpreter: no other arm's state, caches or
-    CUDA backwards before it, as in a script that enables the patch before it trains)."""
-    cmd = [sys.executable, "-m", "benchmarks.host", "--mode", "calls", "--modes", mode, "--shape", args.shape,
-           "--n", str(args.n), "--library", args.library, "--cprofile", str(args.cprofile), "--out", sub] + \
-        (["--compile"] if args.compile else []) + (["--cpu"] if args.cpu else [])
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    with open(os.path.join(sub, "host.json")) as f:
-        return json.load(f)["arms"][mode][0]
 
 # ------------------------------------------------------------------------------------------------------- main --
 

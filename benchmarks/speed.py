@@ -19,7 +19,8 @@
    B·S·H·D) and ``fa4_patched``. A cell whose KV-major launch is not the variant's reads "n/a".
    TFLOP/s (``common.tflops``): 7 products forward+backward, 5 the backward alone (GProj has 8: its own rate
    a product is 8/5 of that).
-3. Host µs per forward+backward call at 1·2·128·64 causal, unpatched / ``gproj`` / ``auto`` (``common.host_calls``).
+3. Host µs per forward+backward call at 1·2·128·64 causal, unpatched / ``gproj`` / ``auto``, each arm a process of
+   its own (``common.fresh_host_calls``).
 4. The 0.5B Llama-style training step (``common.step_times``): unpatched, ``gproj``, ``auto``.
 
 Where FA4 (or CUDA, for cuDNN) is missing those columns read "n/a". ``--smoke`` (CPU: FP16, the GProj kernel
@@ -257,10 +258,15 @@ def timing(run: Run, shapes, gates: dict, stop_at: float, rounds: int = 1) -> li
     return rows
 
 
-def host(run: Run, shape, n: int) -> dict:
+def host(run: Run, shape, n: int, folder: str) -> dict:
+    """Host µs a call per arm; on CUDA each arm in a process of its own (``common.fresh_host_calls``: in this
+    process the earlier arms' cuDNN backwards would send ``auto``'s calls to the corrected tier)."""
     out = {}
     for mode in common.ARMS:
-        r = common.host_calls(mode, shape, run.device, n)
+        if run.device == "cuda":
+            r = common.fresh_host_calls(mode, shape, n, os.path.join(folder, f"host_{mode}"))
+        else:
+            r = common.host_calls(mode, shape, run.device, n)
         out[mode] = r
         log(f"host {mode:10s} {r['serial']:8.0f} µs a call (sync each), {r['batched']:8.0f} (sync per batch) "
             f"tiers {r['tiers']}")
@@ -360,7 +366,7 @@ def main(argv=None) -> dict:
     shapes = common.parse_indices(args.shapes, common.SHAPES if cuda else SMOKE_SHAPES)
     result["host_shape"] = list(HOST_SHAPE if cuda else SMOKE_HOST_SHAPE)
     if not args.skip_host:
-        result["host_us"] = host(run, tuple(result["host_shape"]), args.host_calls if cuda else 2)
+        result["host_us"] = host(run, tuple(result["host_shape"]), args.host_calls if cuda else 2, out)
         save()
     reserve = 0.0 if args.skip_steps or not cuda else args.step_reserve
     result["timing"] = timing(run, shapes, result["gate"], stop_at=reserve, rounds=args.rounds)
