@@ -91,16 +91,22 @@ class Binder:
         self.positional = tuple(n for n, p in params.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self.template = {n: _REQUIRED if p.default is inspect.Parameter.empty else p.default
                          for n, p in params.items()}
+        self.names = frozenset(self.template)
+        # per count n of positional arguments: the names they fill, and the required names left for keywords
+        # (set operations instead of a Python loop over every keyword and parameter on each call)
+        required = frozenset(n for n, d in self.template.items() if d is _REQUIRED)
+        self.filled = tuple(frozenset(self.positional[:n]) for n in range(len(self.positional) + 1))
+        self.left = tuple(required - filled for filled in self.filled)
 
     def __call__(self, args: tuple, kwargs: dict) -> dict:
-        if self.simple and len(args) <= len(self.positional):
-            b = dict(self.template)  # a copy in signature order; assigning existing keys keeps that order
-            b.update(zip(self.positional, args))
-            given = self.positional[:len(args)]
-            if all(name in b and name not in given for name in kwargs):
+        n = len(args)
+        if self.simple and n <= len(self.positional):
+            names = kwargs.keys()
+            if names <= self.names and names.isdisjoint(self.filled[n]) and self.left[n] <= names:
+                b = dict(self.template)  # a copy in signature order; assigning existing keys keeps that order
+                b.update(zip(self.positional, args))
                 b.update(kwargs)
-                if not any(value is _REQUIRED for value in b.values()):
-                    return b
+                return b
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return dict(bound.arguments)
