@@ -11,7 +11,7 @@ package runs in an FA2/FA3 forward. The kernel is the one decision of the call, 
 the SDPA seam makes it (``integrations/sdpa.py``): the ``Problem`` from the backward's arguments (scale, causal,
 window, softcap, ``cu_seqlens_*`` / ``max_seqlen_*`` for varlen — every release passes all of them to the
 backward op), the context with the options in force at the backward and the layer of the autograd node being run
-(the ``FlashAttn*Func`` backward node whose forward ran in a named scope, else ``sdpa{n}``:
+(the ``FlashAttn*Func`` backward node whose forward ran in a named scope, else ``flash_attn{n}``:
 ``layers.scope.backward_op_layer``), then the plan (tier, kernel, ``auto``'s sample on q, k and the LSE).
 
 Why the CUDA key and not an autograd key. The releases call their backward op inside ``FlashAttn*Func.backward``
@@ -90,6 +90,9 @@ _KNOWN = frozenset({"dout", "do", "q", "k", "v", "out", "o", "softmax_lse", "lse
           "rng_state", "zero_tensors", "m_block_size", "n_block_size", "num_threads", "pack_gqa",
           "num_stages_Q", "num_stages_dO", "SdP_swapAB", "dKV_swapAB", "dQ_swapAB", "AtomLayoutMSdP",
           "AtomLayoutNdKV", "AtomLayoutMdQ", "V_in_regs", FA4_SINK})
+
+#: the prefix of an FA2/FA3 call's layer name when no scope named its forward (``flash_attn0``, ...)
+UNNAMED = "flash_attn"
 
 UNRECORDED_SINK_REASON = ("FA4 backward without learnable_sink and no forward record (the LSE may include a sink "
                           "it cannot see): original backward")
@@ -181,7 +184,7 @@ def op_backward(b: dict, original: Callable[[], object], library: str, cfg: conf
     if reason is not None or cfg.mode == "off":
         telemetry.record_backward("original", reason, telemetry.shape_class(source, _arg(b, "q"), _arg(b, "k")))
         return original()
-    layer = backward_op_layer(node)
+    layer = backward_op_layer(node, unnamed=UNNAMED)
     if settled_original(cfg, layer, has_original=True):  # auto, a healthy layer between samples: no plan
         return run_settled_original(layer, original)
     context = make_context(source, layer, cfg, named=True, in_graph=compat.is_compiled_graph_node(node))

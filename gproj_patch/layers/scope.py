@@ -89,14 +89,14 @@ def backward_layer(node) -> Optional[str]:
     return STATE.spans.find(node_sequence_nr(node), threading.get_ident())
 
 
-def backward_op_layer(node) -> str:
+def backward_op_layer(node, unnamed: str = "sdpa") -> str:
     """The layer of a call decided in its backward op (the SDPA seam, FA2/FA3's backward ops), which has no
     forward record: the first such call of a new autograd graph task starts a new backward pass (and step, see
     ``state.RuntimeState.backward_pass``); then the named scope ``node``'s forward ran in, else the pass's next
-    ``"sdpa{n}"``."""
+    ``f"{unnamed}{n}"`` (``"sdpa{n}"``; FA2/FA3: ``"flash_attn{n}"``)."""
     from ..backends.compat import graph_task_id
     STATE.backward_pass(graph_task_id(), _enclosing_sequence_nr)
-    return backward_layer(node) or STATE.next_backward_call_name()
+    return backward_layer(node) or STATE.next_backward_call_name(unnamed)
 
 
 def _enclosing_sequence_nr() -> Optional[int]:

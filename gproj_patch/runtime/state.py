@@ -248,12 +248,13 @@ class RuntimeState:
             self.call_index = 0
             self.backward_seen = False
 
-    def next_backward_call_name(self) -> str:
-        """``sdpa{n}``: the n-th unnamed seam backward of this pass (backward order: the last layer first)."""
+    def next_backward_call_name(self, prefix: str = "sdpa") -> str:
+        """``{prefix}{n}``: the n-th unnamed backward decided in its backward op in this pass (backward order: the
+        last layer first; one count for every library, so names stay unique in a model that mixes them)."""
         with self.lock:
             n = self.backward_call_index
             self.backward_call_index += 1
-        return f"sdpa{n}"
+        return f"{prefix}{n}"
 
     def next_call_name(self) -> str:
         """``call{n}``: the n-th unnamed attention forward of this step."""

@@ -138,7 +138,7 @@ def test_varlen_corrected_from_the_backwards_offsets(monkeypatch):
 def test_layers_are_the_forwards_scopes_and_auto_samples_at_the_backward(monkeypatch):
     """Two named layers, one sick, backwards after every scope has closed: each backward takes its forward's
     scope from its autograd node, ``auto`` samples each at the backward, only the sick one is corrected; an
-    unnamed call is the pass's ``sdpa{n}``."""
+    unnamed call is the pass's ``flash_attn{n}``."""
     seen = _seen_records(monkeypatch)
     gproj_patch.enable(mode="auto", targets=("flash_attn",), sample_every=1)
     layers = {"layers.0": _inputs(4, 0.0), "layers.1": _inputs(5, SICK_OFFSET)}
@@ -146,11 +146,11 @@ def test_layers_are_the_forwards_scopes_and_auto_samples_at_the_backward(monkeyp
     q, k, v, do = _inputs(6, 0.0)
     loss = loss + (fa2_standin.flash_attn_func(*_leaves(q, k, v), causal=True).float() * do.float()).sum()
     loss.backward()
-    assert sorted(r.context.layer for r in seen) == ["layers.0", "layers.1", "sdpa0"]
+    assert sorted(r.context.layer for r in seen) == ["flash_attn0", "layers.0", "layers.1"]
     assert all(r.context.source == f"{fa2_standin.NS}:dense" for r in seen)  # the library, by namespace
-    assert sorted(policy.stats()) == ["layers.0", "layers.1", "sdpa0"]
+    assert sorted(policy.stats()) == ["flash_attn0", "layers.0", "layers.1"]
     tiers = {name: rec["tier"] for name, rec in gproj_patch.stats()["layers"].items()}
-    assert tiers == {"layers.0": "original", "layers.1": "fp32", "sdpa0": "original"}  # CPU: gproj -> FP32 tier
+    assert tiers == {"layers.0": "original", "layers.1": "fp32", "flash_attn0": "original"}  # CPU: gproj -> FP32 tier
     assert CALLS["dense"] == 2
     q, k, v, do = layers["layers.1"]
     for g, want in zip((t.grad for t in leaves["layers.1"]), _oracle(q, k, v, do)):
