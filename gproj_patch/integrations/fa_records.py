@@ -5,8 +5,10 @@ FA4 has no backward op to decide at (its backward is a Python function), so its 
 FA4's autograd Functions save the LSE ``_flash_attn_fwd`` returned and hand it to ``_flash_attn_bwd``. The
 wrapped forward binds the call's arguments, makes the complete ``CallRecord`` now — ``Problem`` (scale, causal,
 window, softcap, varlen offsets, learnable sink) and ``Context`` (mode, options, the layer whose scope is open)
-— and files it under the LSE (``remember``); the backward reads it back (``find``) and runs exactly it. (FA2/FA3
-file nothing: their backward op decides from its own arguments, ``flash_attn.op_backward``.)
+— and files it under the LSE (``remember``); the backward reads it back (``find``) and runs exactly it. Under
+``auto`` a layer settled on the original backward files only its layer (``forward_record``): its plan is
+"original" without a sample, so no record is made. (FA2/FA3 file nothing: their backward op decides from its own
+arguments, ``flash_attn.op_backward``.)
 
 Filed under the LSE's *storage*, not the tensor object. FA4 (4.0.0b36) returns ``(out, lse)`` from its
 Function and saves ``lse``, one of its own outputs; autograd saves an output as a new tensor object sharing its
@@ -277,7 +279,8 @@ def lse_of(result) -> Optional[torch.Tensor]:
 
 def recording(forward: Callable, signature: inspect.Signature, source_of: Callable[[dict], str],
               sink_name: Optional[str] = None) -> Callable:
-    """``forward`` that files each call's record under the LSE it returns (the result is returned untouched).
+    """``forward`` that files each call's ``forward_record`` under the LSE it returns (the result is returned
+    untouched).
     The call's arguments are bound against ``signature`` (defaults applied); ``source_of(arguments)`` names the
     source (dense or varlen); ``sink_name`` is the forward's learnable-sink argument (FA4), if it has one.
     A forward without q (FA4's MLA path, whose backward the hook does not replace) files nothing."""
