@@ -358,14 +358,21 @@ def fresh_host_calls(mode: str, shape: Tuple[int, int, int, int], n: int, out: s
     under ``out``): no other arm's state, caches or CUDA backwards before it, as in a script that enables the
     patch before it trains. In one process an arm enabled after another arm's CUDA backwards finds cuDNN plans it
     did not build, and the cuDNN guard sends ``auto``'s original calls to the corrected tier."""
-    cmd = [sys.executable, "-m", "benchmarks.host", "--mode", "calls", "--modes", mode,
-           "--shape", ",".join(map(str, shape)), "--n", str(n), "--library", library, "--cprofile", str(profile),
-           "--out", out] + (["--compile"] if compiled else []) + (["--cpu"] if cpu else [])
+    result = run_entry_point("host", ["--mode", "calls", "--modes", mode, "--shape", ",".join(map(str, shape)),
+                                      "--n", str(n), "--library", library, "--cprofile", str(profile)]
+                             + (["--compile"] if compiled else []) + (["--cpu"] if cpu else []), out)
+    return result["arms"][mode][0]
+
+
+def run_entry_point(name: str, options: List[str], out: str) -> dict:
+    """``python -m benchmarks.<name> <options> --out <out>`` in a new process; the ``<name>.json`` it wrote there
+    (RuntimeError with the end of its output when it fails)."""
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *options, "--out", out]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    with open(os.path.join(out, "host.json")) as f:
-        return json.load(f)["arms"][mode][0]
+    with open(os.path.join(out, f"{name}.json")) as f:
+        return json.load(f)
 
 
 # ------------------------------------------------------------------------------------------- training step --

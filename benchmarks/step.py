@@ -36,8 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import torch
 
@@ -136,14 +134,9 @@ def fresh_times(args, ctx: str, out: str, log) -> dict:
     for rep in range(args.reps):
         for a in arms:
             sub = os.path.join(out, f"fresh_{ctx}_{rep}_{a}")
-            cmd = [sys.executable, "-m", "benchmarks.step", "--contexts", ctx, "--reps", "1", "--steps",
-                   str(args.steps), "--arms", a, "--out", sub] + (["--compile"] if args.compile else []) + \
-                  (["--smoke"] if args.smoke else [])
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-            with open(os.path.join(sub, "step.json")) as f:
-                r = json.load(f)["steps"][ctx]
+            options = ["--contexts", ctx, "--reps", "1", "--steps", str(args.steps), "--arms", a] + \
+                (["--compile"] if args.compile else []) + (["--smoke"] if args.smoke else [])
+            r = common.run_entry_point("step", options, sub)["steps"][ctx]
             pooled["times_ms"][a] += r["times_ms"][a]
             pooled["processes"].append({"arm": a, "rep": rep, "ms": r["ms"][a]})
             if r["peak_mib"]:
