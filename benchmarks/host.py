@@ -521,7 +521,11 @@ def parse(argv=None):
     ap.add_argument("--stack", action="store_true", help="calls --trace: Python stacks, tables by the top 4 frames")
     ap.add_argument("--rows", type=int, default=20, help="calls --trace: rows of each table")
     ap.add_argument("--out", default=None, help="folder for host.json and traces (default $OUT/host)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.trace and (args.fresh or args.library != "sdpa"):
+        # the trace runs SDPA's calls in this process: it would not show the arms' processes or FA4's calls
+        ap.error("--trace traces SDPA in this process: not with --fresh or --library fa4 (use --cprofile)")
+    return args
 
 
 def main(argv=None) -> dict:
