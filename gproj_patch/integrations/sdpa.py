@@ -486,11 +486,13 @@ def _backward(spec: SeamOp, op, keyset, args: tuple, kwargs: dict):
             return compat.redispatch_native(op, keyset, args, kwargs)
         return compat.redispatch_reentrant(op, keyset, args, kwargs)  # DTensor: its local calls come back here
     b = bind(op, args, kwargs)
+    key = None  # the call's cuDNN plan key, read only where a cuDNN backward may predate the seam
     if spec.cudnn:
-        original = lambda: _cudnn_original(op, keyset, args, kwargs, b)  # noqa: E731
+        key = _cudnn_key(b) if CUDNN_KEYS.unknown_before else None
+        original = lambda: _cudnn_original(op, keyset, args, kwargs, b, key)  # noqa: E731
     else:
         original = lambda: compat.redispatch_native(op, keyset, args, kwargs)  # noqa: E731
-    known = not spec.cudnn or _cudnn_plan_known(b)
+    known = not spec.cudnn or _cudnn_plan_known(key)
     with torch.no_grad():
         outputs = corrected(spec, b, original, cfg, compat.current_autograd_node(), has_original=known)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -514,10 +516,10 @@ def _is_tracing(t: Tensor) -> bool:
     return name in ("FakeTensor", "FunctionalTensor") or t.device.type == "meta"
 
 
-def _cudnn_original(op, keyset, args: tuple, kwargs: dict, b: Dict[str, Any]):
-    """PyTorch's cuDNN backward with dO in the output's layout (module docstring)."""
-    if CUDNN_KEYS.unknown_before:  # the keys the seam built are asked for only then (_cudnn_plan_known)
-        key = _cudnn_key(b)
+def _cudnn_original(op, keyset, args: tuple, kwargs: dict, b: Dict[str, Any], key: Optional[tuple]):
+    """PyTorch's cuDNN backward with dO in the output's layout (module docstring); ``key``: the call's plan key,
+    None where no cuDNN backward predates the seam (then the keys the seam built are never asked for)."""
+    if key is not None:
         with CUDNN_KEYS.lock:
             CUDNN_KEYS.ours.add(key)  # a plan this call builds has dO in the output's layout
     do = _output_layout(b["grad_out"], b["out"])
@@ -535,13 +537,13 @@ def _arg_split(op) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     return tuple(a.name for a in args if not a.kwarg_only), tuple(a.name for a in args if a.kwarg_only)
 
 
-def _cudnn_plan_known(b: Dict[str, Any]) -> bool:
-    """Whether cuDNN's cached plan for this call's key has dO in the output's layout: the seam built it, or no
-    cuDNN backward can have run before the seam was installed."""
-    if not CUDNN_KEYS.unknown_before:
+def _cudnn_plan_known(key: Optional[tuple]) -> bool:
+    """Whether cuDNN's cached plan for a call's ``key`` has dO in the output's layout: no cuDNN backward can have
+    run before the seam was installed (``key`` None), or the seam built it."""
+    if key is None:
         return True
     with CUDNN_KEYS.lock:
-        return _cudnn_key(b) in CUDNN_KEYS.ours
+        return key in CUDNN_KEYS.ours
 
 
 CUDNN_KEYS = _CudnnKeys()
@@ -695,8 +697,7 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     cfg = _config.active() or cfg or _config.Config()
     if is_installed() or not _needs_correction(query, key, value, cfg.mode):
         return F.scaled_dot_product_attention(query, key, value, **args)  # the seam (when installed) corrects it
-    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (query, key, value, attn_mask)
-                if t is not None)
+    plain = all(type(t) in _PLAIN for t in (query, key, value, attn_mask) if t is not None)
     reason = None if plain else "a tensor subclass (it dispatches SDPA itself)"
     reason = reason or transform_reason(query, key, value, attn_mask)
     if reason is not None or not (query.dtype in LOW_PRECISION or torch.is_autocast_enabled(query.device.type)):

@@ -339,3 +339,32 @@ def test_auto_settled_layer_runs_pytorchs_backward_without_a_plan(monkeypatch):
     q, k, v, do = sick
     dq_ref = _ref(q, k, v, do, causal=True)[0]
     assert rel(grads[-1][3], dq_ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("unknown_before", [False, True])
+def test_cudnn_original_hands_do_in_the_outputs_layout_and_keys_its_plans(monkeypatch, unknown_before):
+    """The cuDNN original (module docstring of the seam): dO already in the output's layout passes on as the call
+    came; another layout reaches PyTorch's kernel in the output's strides, same values. The plan keys are kept,
+    and asked for, only where a cuDNN backward may predate the seam. (PyTorch's kernel is CUDA-only: here the
+    redispatch is recorded instead; the defect itself is checked on CUDA, ``test_gpu_integration.py``.)"""
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    q, k, v, do = (t.detach() for t in _inputs(offset=0.0))
+    out = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).to(q.dtype).transpose(1, 2)  # (B, S, H, D)
+    seen = []
+    monkeypatch.setattr(seam.compat, "redispatch_native", lambda op_, keyset, args, kwargs: seen.append(
+        (args, kwargs)) or "pytorch's")
+    monkeypatch.setattr(seam.CUDNN_KEYS, "unknown_before", unknown_before)
+    monkeypatch.setattr(seam.CUDNN_KEYS, "ours", set())
+    for i, grad in enumerate((do.transpose(1, 2).contiguous().transpose(1, 2), do.contiguous())):  # out's, not
+        args = (grad, q, k, v, out, torch.zeros(q.shape[:3]), torch.zeros(()), torch.zeros(()), None, None, None,
+                q.shape[2], k.shape[2], 0.0, True)
+        b = seam.bind(op, args, {"scale": None})
+        key = seam._cudnn_key(b) if unknown_before else None
+        assert seam._cudnn_plan_known(key) == (not unknown_before or i > 0)  # the key holds no dO strides
+        assert seam._cudnn_original(op, None, args, {"scale": None}, b, key) == "pytorch's"
+        assert seam._cudnn_plan_known(key)  # the seam built this key's plan
+        passed, kwargs = seen[-1]
+        assert passed[0].stride() == out.stride() and torch.equal(passed[0], grad) and kwargs == {"scale": None}
+        assert (passed is args) == (grad.stride() == out.stride())
+        assert all(x is y for x, y in zip(passed[1:], args[1:]))
+    assert len(seam.CUDNN_KEYS.ours) == (1 if unknown_before else 0)
