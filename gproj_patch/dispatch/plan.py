@@ -21,7 +21,9 @@ A ``BackwardPlan`` holds:
   takes). Whether it is padding depends on dO, the one input the forward cannot see.
 
 Reasons are checked in order, each right before the fallback it causes. ``kernel_reason`` answers for a
-``_kernel_key`` are memoized in the runtime state (``STATE.kernel_reasons``, cleared by ``reset()``).
+``_kernel_key``, and the kernel tier's ``KernelPlan`` for a ``_launch_plan_key``, are memoized in the runtime
+state (``STATE.kernel_reasons``, ``STATE.kernel_plans``; bounded, cleared by ``reset()``): pure functions of
+their keys, asked at every call of a shape.
 
 The SDPA seam makes the plan in the backward op's kernel (it has no forward); under ``torch.compile`` that kernel
 runs when the compiled backward runs, and the compiled flex hook makes its plan inside its forward custom op at
@@ -155,6 +157,28 @@ def _faster_gluon(reason: Optional[str], t: ForwardTensors, launch: str, label: 
     return ("gluon", None) if reason is None else ("tl", reason)
 
 
+#: the TMA base alignment the Gluon predicates check (``gluon_bwd.TMA_ALIGN_BYTES``; not imported from there:
+#: planning imports no triton)
+_TMA_ALIGN = 16
+_KERNEL_PLAN_CACHE_SIZE = 256
+
+
+def _launch_plan_key(t: ForwardTensors, problem: Problem, record: CallRecord) -> Optional[tuple]:
+    """Cache key of ``_launch_plan`` (None: not cached): everything the Gluon predicates
+    (``gluon_bwd.gluon_reason``), ``configs.gluon_measured_faster`` and the compiled-graph rule read — the launch
+    options, whether the call is in a compiled graph, q's, k's and v's device, dtype, shape and strides and
+    their base address modulo the TMA alignment, and the mask's window, softcap and varlen. Plain tensors only (a
+    subclass's data pointer may not be readable). A new input of those predicates must join this key."""
+    q, k, v = t.q, t.k, t.v
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    ctx = record.context
+    return (ctx.kv_major, ctx.dq_major, ctx.in_graph, q.device, q.dtype, k.dtype, v.dtype, q.shape, q.stride(),
+            k.shape, k.stride(), v.shape, v.stride(), q.data_ptr() % _TMA_ALIGN, k.data_ptr() % _TMA_ALIGN,
+            v.data_ptr() % _TMA_ALIGN, problem.window, problem.softcap,
+            problem.cu_seqlens_q is not None or problem.cu_seqlens_k is not None)
+
+
 def _kernel_plan(t: ForwardTensors, problem: Problem, record: CallRecord, fp32: bool) -> KernelPlan:
     if fp32:  # fp32 copies: the Gluon kernels are bf16/fp16 only
         why = "fp32 (the FP32 tier's kernel form)"
@@ -162,6 +186,22 @@ def _kernel_plan(t: ForwardTensors, problem: Problem, record: CallRecord, fp32: 
     if problem.padded:  # left padding runs as packed varlen segments, which the Gluon kernels do not take
         why = "padding mask (may run as varlen)"
         return KernelPlan(kv_major="tl", kv_major_reason=why, dq_major="tl", dq_major_reason=why)
+    key = _launch_plan_key(t, problem, record)
+    if key is not None:
+        cached = STATE.kernel_plans.get(key)
+        if cached is not None:
+            return cached
+    plan = _launch_plan(t, problem, record)
+    if key is not None:
+        if len(STATE.kernel_plans) >= _KERNEL_PLAN_CACHE_SIZE:  # bounded (many shapes): start over
+            STATE.kernel_plans.clear()
+        STATE.kernel_plans[key] = plan
+    return plan
+
+
+def _launch_plan(t: ForwardTensors, problem: Problem, record: CallRecord) -> KernelPlan:
+    """The kernel tier's launches (Gluon or tl, each with why not Gluon) for a bf16/fp16 call without a padding
+    mask."""
     kv_major, kv_why = kv_major_choice(t, problem, record.context.kv_major)
     dq_major, dq_why = dq_major_choice(t, problem, record.context.dq_major)
     if dq_major == "gluon" and record.context.in_graph:

@@ -207,3 +207,55 @@ def test_create_graph_backward_keeps_the_once_differentiable_guard(monkeypatch):
     dq, = torch.autograd.grad((out.float() ** 2).sum(), (q,))
     assert not dq.requires_grad and (dq == 1).all()
     assert gproj_patch.stats()["fp32"] == 2
+
+
+def test_launch_plans_are_cached_on_every_input_of_the_gluon_predicates(monkeypatch):
+    """``plan._kernel_plan`` answers a call from ``STATE.kernel_plans`` only when the launch options, compiled-graph
+    flag, dtypes, shapes, strides, TMA base alignment and mask flags are those of a call the predicates answered.
+    The predicates are replaced by ones whose answer spells all of that, so a key missing any input would hand one
+    call another's answer; each cached plan is compared with the predicates asked again."""
+    from gproj_patch.backends import gluon_bwd, gluon_dq
+    from gproj_patch.dispatch.record import CallRecord, Context, Problem
+    asked = []
+
+    def spelled(q, k, v, **mask):
+        asked.append(1)
+        return repr([(x.dtype, tuple(x.shape), x.stride(), x.data_ptr() % 16) for x in (q, k, v)]
+                    + sorted(mask.items()))
+    monkeypatch.setattr(gluon_bwd, "kv_major_reason", spelled)
+    monkeypatch.setattr(gluon_dq, "dq_major_reason", lambda q, k, v, **m: "dq " + spelled(q, k, v, **m))
+    STATE.kernel_plans.clear()
+    base = torch.randn(2, 4, 8, 16, dtype=torch.float16)
+    flat = torch.randn(2 * 4 * 8 * 16 + 1, dtype=torch.float16)
+    variants = {
+        "contiguous": (base, base, base),
+        "bshd strides": (base.transpose(1, 2).contiguous().transpose(1, 2),) * 3,
+        "base off 16 bytes": (flat[1:].view(2, 4, 8, 16), base, base),
+        "bf16": (base.bfloat16(),) * 3,
+        "GQA shape": (base, base[:, :2], base[:, :2]),
+        "v strides differ": (base, base, base.transpose(2, 3).contiguous().transpose(2, 3)),
+    }
+    problems = {"flags": Problem(scale=0.25), "window": Problem(scale=0.25, window=(3, 0)),
+                "softcap": Problem(scale=0.25, softcap=30.0)}
+    contexts = {"auto": Context("gproj", "auto", "l", "sdpa"), "kv tl": Context("gproj", "auto", "l", "sdpa", kv_major="tl"),
+                "in graph": Context("gproj", "auto", "l", "sdpa", in_graph=True)}
+    for _ in range(2):  # the second round is answered from the cache
+        for q, k, v in variants.values():
+            for problem in problems.values():
+                for ctx in contexts.values():
+                    t = plan_mod.ForwardTensors(q, k, v, q, q[..., 0].float())
+                    record = CallRecord(problem, ctx)
+                    cached = plan_mod._kernel_plan(t, problem, record, fp32=False)
+                    assert cached == plan_mod._launch_plan(t, problem, record)
+    assert len(STATE.kernel_plans) == len(variants) * len(problems) * len(contexts)
+    # predicates asked per plan (the option kv_major="tl" asks only the dQ one); plans made per call: the first
+    # round's cached one and both rounds' comparisons
+    asks = {"auto": 2, "kv tl": 1, "in graph": 2}
+    assert len(asked) == len(variants) * len(problems) * sum(asks.values()) * 3
+    gproj_patch.reset_stats()
+    assert not STATE.kernel_plans
+
+
+def test_plan_cache_reads_tma_alignment_as_the_gluon_predicate_does():
+    from gproj_patch.backends import gluon_bwd
+    assert plan_mod._TMA_ALIGN == gluon_bwd.TMA_ALIGN_BYTES
