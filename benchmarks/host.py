@@ -64,23 +64,23 @@ CAUSAL = MaskSpec(causal=True, causal_align="top_left", window=(-1, -1), softcap
 #: (owner: "module" or "module:attribute.path", attribute, label) of each layer timed inclusively; indentation
 #: shows nesting. A layer the package no longer has is skipped and named in the output.
 LAYERS = (
-    ("gproj_patch.integrations.sdpa", "_backward", "seam kernel (integrations.sdpa._backward)"),
-    ("gproj_patch.integrations.sdpa", "bind", "  bind (the op's arguments by name)"),
-    ("gproj_patch.integrations.sdpa", "_cudnn_plan_known", "  _cudnn_plan_known"),
-    ("gproj_patch.integrations.sdpa", "corrected", "  corrected"),
-    ("gproj_patch.integrations.sdpa", "pass_reason", "    pass_reason"),
-    ("gproj_patch.integrations.sdpa", "backward_layer", "    backward_layer"),
-    ("gproj_patch.integrations.sdpa", "make_context", "    make_context"),
-    ("gproj_patch.integrations.sdpa", "make_plan", "    make_plan"),
-    ("gproj_patch.integrations.sdpa", "_run", "    _run"),
-    ("gproj_patch.integrations.sdpa", "run_backward", "      router.run_backward"),
+    ("gproj_patch.hooks.sdpa", "_backward", "seam kernel (hooks.sdpa._backward)"),
+    ("gproj_patch.hooks.sdpa", "bind", "  bind (the op's arguments by name)"),
+    ("gproj_patch.hooks.sdpa", "_cudnn_plan_known", "  _cudnn_plan_known"),
+    ("gproj_patch.hooks.sdpa", "corrected", "  corrected"),
+    ("gproj_patch.hooks.sdpa", "pass_reason", "    pass_reason"),
+    ("gproj_patch.hooks.sdpa", "backward_layer", "    backward_layer"),
+    ("gproj_patch.hooks.sdpa", "make_context", "    make_context"),
+    ("gproj_patch.hooks.sdpa", "make_plan", "    make_plan"),
+    ("gproj_patch.hooks.sdpa", "_run", "    _run"),
+    ("gproj_patch.hooks.sdpa", "run_backward", "      router.run_backward"),
     ("gproj_patch.dispatch.router", "_run_kernel", "        router._run_kernel"),
     ("gproj_patch.backends.triton_bwd", "launch_planned", "          triton_bwd.launch_planned"),
     ("gproj_patch.backends.triton_bwd", "_launch", "            triton_bwd._launch (launches)"),
-    ("gproj_patch.integrations.sdpa", "_restore", "    _restore (PyTorch's strides)"),
+    ("gproj_patch.hooks.sdpa", "_restore", "    _restore (PyTorch's strides)"),
 )
 #: the first backward layer of ``LAYERS`` (the ones before it run in the forward: none, since the seam)
-BACKWARD_FIRST = "seam kernel (integrations.sdpa._backward)"
+BACKWARD_FIRST = "seam kernel (hooks.sdpa._backward)"
 #: launch options of ``kernel_arguments`` that are not kernel parameters (not in a prepared template)
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 _MISSING = object()

@@ -27,7 +27,7 @@ Parts (``--part``; run in this order):
     ring), unpatched and with the patch enabled *before* the context (the supported order; see
     docs/distributed.md). Recorded: dq/dk/dv error of the gathered gradients against fp64 of the whole sequence,
     unpatched and patched, and the corrected backwards in ``stats()`` on every rank. Criteria: on CUDA the
-    corrected ring (``integrations/context_parallel.py``) ran on every rank and the patched gradients are within
+    corrected ring (``hooks/context_parallel.py``) ran on every rank and the patched gradients are within
     0.5 % of fp64; on the CPU (the math backend: no ring and no fused backward to correct) the patched gradients
     are the unpatched ones bit for bit.
 ``shards`` (one process). The math that corrected CP would need (docs/distributed.md): the sequence cut into W chunks,

@@ -54,7 +54,7 @@ from gproj_patch import policy
 from gproj_patch.audit.cases import get_case
 from gproj_patch.backends.emulation import emulated_backward, emulated_forward
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.integrations import fa_records
+from gproj_patch.hooks import fa_records
 
 log = common.Log()
 FLEX_CASES = ("key_offset_128", "sink_offset_64")

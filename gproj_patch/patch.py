@@ -46,7 +46,7 @@ _call_after_import("torch", _register_kernel_op)
 
 
 def _register_hf_name() -> None:
-    """Register the HF attention name ``"gproj"`` where it is free, enabled or not (``integrations/
+    """Register the HF attention name ``"gproj"`` where it is free, enabled or not (``hooks/
     transformers.py`` says why): a model can then be built with it before ``enable()`` and keeps running after
     ``disable()``. Nothing else changes: no other registry entry, no hook. Runs right after
     ``transformers.modeling_utils`` is imported — or here, at this module's import, when it already is: then
@@ -55,7 +55,7 @@ def _register_hf_name() -> None:
     if running:
         _call_after_import(running[-1], _register_hf_name)
         return
-    from .integrations import transformers
+    from .hooks import transformers
     transformers.register_name()
 
 
@@ -216,7 +216,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opti
     """``torch.nn.functional.scaled_dot_product_attention`` with the corrected backward, whether or not
     ``enable()`` was called (options: the enabled ones, else the environment's GPROJ_* and the defaults).
     Same forward output as SDPA."""
-    from .integrations.sdpa import sdpa
+    from .hooks.sdpa import sdpa
     return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa, cfg=_config.active() or _default_config())
 

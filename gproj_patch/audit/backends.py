@@ -190,7 +190,7 @@ def available_backends(device: torch.device, dtype: torch.dtype, environ: Option
     backends += [Backend("hf-eager-uncorrected", eager_run(False), eager_reason),
                  Backend("hf-eager-gproj", eager_run(True), eager_reason)]
     try:  # FlexAttention: compiled flex's own backward (CUDA) and flex through the hook
-        from ..integrations import flex as flex_hook
+        from ..hooks import flex as flex_hook
         for name, run, reason in flex_hook.audit_backends(device):
             backends.append(Backend(name, run, reason))
     except Exception as e:  # noqa: BLE001 - a torch without flex_attention: say why

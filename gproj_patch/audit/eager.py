@@ -1,6 +1,6 @@
 """The audit's HF-eager backends: HF's eager attention arithmetic (a BF16/FP16 QKᵀ, the softmax in fp32 cast back
 to the input dtype, a BF16/FP16 PV; autograd differentiates those ops), as every ``modeling_*.eager_attention_forward``
-computes it, uncorrected and through the eager hook's corrected backward (``integrations/hf_eager.py``)."""
+computes it, uncorrected and through the eager hook's corrected backward (``hooks/hf_eager.py``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -62,7 +62,7 @@ def hf_eager_math(q, k, v, sink, *, scale, mask, softcap):
 def eager_run(corrected: bool):
     def run(inp: CaseInputs, k: torch.Tensor, saved):
         from ..runtime.config import Config
-        from ..integrations import hf_eager as op
+        from ..hooks import hf_eager as op
         q, kk, v = (x.detach().clone().requires_grad_(True) for x in (inp.q, k, inp.v))
         scale = default_scale(q.shape[-1], inp.mask.get("scale"))
         mask, softcap = _additive_mask(inp), float(inp.mask.get("softcap", 0.0))

@@ -25,7 +25,7 @@ A and B per row range (2 × q again, freed at ``finish``); per row 6 fp32 number
 Two forms: the kernels (``kernel=True``: CUDA bf16/fp16, head dims 16..256; CPU fp16/fp32 through Triton's
 interpreter), and an FP32 form in PyTorch (``kernel=False``: any dtype and head dim, t = dS and r = P unrounded,
 chunked over queries like the FP32 tier). Pure numerics: the ring's communication is the caller's
-(``integrations/context_parallel.py``), which decides the form.
+(``hooks/context_parallel.py``), which decides the form.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ their keys, asked at every call of a shape.
 
 The SDPA seam makes the plan in the backward op's kernel (it has no forward); under ``torch.compile`` that kernel
 runs when the compiled backward runs, and the compiled flex hook makes its plan inside its forward custom op at
-run time (``integrations/flex.py``, ``gproj::flex_context``): a plan never enters a traced graph, so it cannot
+run time (``hooks/flex.py``, ``gproj::flex_context``): a plan never enters a traced graph, so it cannot
 become a Dynamo guard.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ built once, on the forward, from the arguments and the configuration active *the
 the one whose scope was open at the forward.
 
 Every hook makes one: at the forward, the flash-attn forward ops (FA2/FA3) and FA4's forward, HF eager and
-flex; at the backward, the SDPA seam (``integrations/sdpa.py``), whose backward op has every argument a record
+flex; at the backward, the SDPA seam (``hooks/sdpa.py``), whose backward op has every argument a record
 needs. ``Context`` holds no tensors (it is hashable).
 """
 from __future__ import annotations

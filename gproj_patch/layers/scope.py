@@ -12,7 +12,7 @@ HF models get one naming scheme whatever their ``attn_implementation`` (the poli
 it): a call made by an HF attention module is named by ``module_layer(module)`` — the open scope of
 ``track_layers`` (its module path, e.g. ``"model.layers.3.self_attn"``) when there is one, else
 ``"<AttentionClass>.<layer_idx>"`` (``module_layer_name``). The registry functions ("sdpa", "flash_attention_*",
-"flex_attention", ..., ``integrations/hf_layer_names.py``) run inside that name (``call_in_module_layer``); the
+"flex_attention", ..., ``hooks/hf_layer_names.py``) run inside that name (``call_in_module_layer``); the
 paths that make their records themselves pass ``module_layer_name(module)`` as the call's ``layer`` (HF eager,
 "gproj") or ``module_layer(module)`` (HF flex, whose compiled path reads no scope), and an open scope still
 wins there (``record.make_context``; under ``torch.compile`` the traced module's name, ``traced_layer()``).

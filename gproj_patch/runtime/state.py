@@ -19,7 +19,7 @@ which owns enable/disable, may have ``global`` statements):
 * installed-hook bookkeeping — what a hook's ``install()`` saved for ``uninstall()`` to restore (the original
   function, the rebound names, the pending import hook, the report last logged) — is one instance of a small
   ``Installed...`` dataclass per hook, held in one module-level constant of that hook (``INSTALLED`` in
-  ``integrations/sdpa.py``, ``flash_attn.py``, ``flex.py``; ``STATUS`` in ``startup.py``; the meta-path finder
+  ``hooks/sdpa.py``, ``flash_attn.py``, ``flex.py``; ``STATUS`` in ``startup.py``; the meta-path finder
   ``_WATCHER`` in ``import_hooks.py``), mutated in place and never re-bound. It is not cleared by ``reset()``: a reset of the statistics must not unhook anything
   (``disable()`` does that);
 * a cache that speeds up a pure computation (the detector's row indices and CUDA graphs, flash-attn's forward
@@ -127,7 +127,7 @@ class RuntimeState:
         # A plain list: Dynamo traces its append/pop (a ContextVar.set is a graph break) and reads the name as a
         # constant of the graph. Kept by identity (reset() clears it in place).
         self.traced_layers: List[str] = []
-        # the compiled flex hook (integrations/flex.py): each forward op files its call's context
+        # the compiled flex hook (hooks/flex.py): each forward op files its call's context
         # and plan under a call number that travels through the graph to its backward op. A bounded channel, not
         # statistics: kept by reset() (a backward after a reset still finds its forward's plan); bounded by
         # COMPILED_CALLS_MAX (oldest dropped: forwards whose backward never runs); holds no tensor

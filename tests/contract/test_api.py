@@ -29,7 +29,7 @@ def test_enable_disable_restores_identity():
     seam's registrations and HF's registry entries come and go with enable()/disable()."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
-    from gproj_patch.integrations import sdpa as seam
+    from gproj_patch.hooks import sdpa as seam
     before = F.scaled_dot_product_attention
     had_attn = "gproj" in AttentionInterface._global_mapping
     assert not gproj_patch.is_enabled() and not seam.is_installed()
@@ -45,7 +45,7 @@ def test_enable_disable_restores_identity():
 
 
 def test_enable_twice_is_noop_and_context_manager():
-    from gproj_patch.integrations import sdpa as seam
+    from gproj_patch.hooks import sdpa as seam
     with gproj_patch.enable(targets=("sdpa",)) as outer:
         ops = seam.seam_ops()
         with gproj_patch.enable(targets=("sdpa",)) as inner:
@@ -57,7 +57,7 @@ def test_enable_twice_is_noop_and_context_manager():
 
 
 def test_threads_enable_once():
-    from gproj_patch.integrations import sdpa as seam
+    from gproj_patch.hooks import sdpa as seam
     handles, barrier = [], threading.Barrier(6)
 
     def work():

@@ -87,7 +87,7 @@ def test_a_failing_install_undoes_the_rows_before_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "gproj_bad_hook", bad)
     monkeypatch.setattr(hooks, "HOOKS", hooks.HOOKS + (hooks.HookTarget("bad", "gproj_bad_hook", "-", "-"),))
     monkeypatch.setattr(hooks, "TARGETS", hooks.TARGETS + ("bad",))
-    from gproj_patch.integrations import sdpa as seam
+    from gproj_patch.hooks import sdpa as seam
     with pytest.raises(RuntimeError, match="cannot install"):
         gproj_patch.enable(targets=["sdpa", "bad"])
     assert not patch.is_enabled() and not seam.is_installed() and calls == []

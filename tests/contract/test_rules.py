@@ -381,3 +381,17 @@ def test_the_benchmark_rule_sees_every_way_in():
     }
     for source, expected in loads.items():
         assert len(_benchmark_loads(source, stems)) == expected, source
+
+
+#: the packages ``patch.py`` stands on: the hooks it installs and everything below them never import it, nor the
+#: entry points above it (``integrations/``: the Trainer callback and the start-up hook, which call ``enable()``)
+BELOW_PATCH = ("gproj_patch.hooks", "gproj_patch.dispatch", "gproj_patch.policy", "gproj_patch.layers",
+               "gproj_patch.runtime", "gproj_patch.backends")
+ABOVE_HOOKS = ("gproj_patch.patch", "gproj_patch.integrations", "gproj_patch.audit")
+
+
+def test_hooks_and_what_they_use_import_neither_patch_nor_its_entry_points():
+    bad = [f"{path.relative_to(REPO)}:{line} imports {target}" for name, path in KNOWN.items()
+           if name.startswith(BELOW_PATCH) for target, line in _edges(name, path)
+           if target.startswith(ABOVE_HOOKS)]
+    assert not bad, bad

@@ -21,9 +21,9 @@ import torch
 import gproj_patch
 from gproj_patch.policy import detector
 from gproj_patch.backends import compat
-from gproj_patch.integrations import fa_records
-from gproj_patch.integrations import flex as flex_hook
-from gproj_patch.integrations import sdpa as sdpa_hook
+from gproj_patch.hooks import fa_records
+from gproj_patch.hooks import flex as flex_hook
+from gproj_patch.hooks import sdpa as sdpa_hook
 from gproj_patch.runtime.state import STATE, reset
 
 PACKAGE = pathlib.Path(gproj_patch.__file__).parent
@@ -250,7 +250,7 @@ def test_enable_does_not_import_dynamo_and_flex_marks_its_trace_constants_when_i
     code = (
         "import sys, torch, gproj_patch\n"
         "gproj_patch.enable()\n"
-        "from gproj_patch.integrations import flex\n"
+        "from gproj_patch.hooks import flex\n"
         "assert 'torch._dynamo' not in sys.modules, 'enable() imported Dynamo'\n"
         "marked = lambda: [getattr(f, '_dynamo_marked_constant', False) for f in (flex._mask_grid, flex._note_trace_reason)]\n"
         "assert marked() == [False, False]\n"

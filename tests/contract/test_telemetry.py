@@ -51,7 +51,7 @@ def test_cpu_fp32_tier_is_no_fallback_and_pass_throughs_are_debug(caplog):
         assert s["fp32"] == 1 and s["fallback_reasons"] == {}, s
         assert _package_lines(caplog) == []
         # a pass-through (dropout > 0: the seam's decision, driven with the CPU op's arguments)
-        from gproj_patch.integrations import sdpa as seam
+        from gproj_patch.hooks import sdpa as seam
         from gproj_patch.runtime import config
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)

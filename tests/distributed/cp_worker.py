@@ -1,4 +1,4 @@
-"""PyTorch's real ring attention on W processes, unpatched and with ``integrations.context_parallel`` installed:
+"""PyTorch's real ring attention on W processes, unpatched and with ``hooks.context_parallel`` installed:
 ``python -m tests.distributed.cp_worker OUTDIR WORLD DEVICE`` (DEVICE ``cpu``: gloo ranks and the CPU flash ops;
 ``cuda``: NCCL ranks, one GPU each, and the CUDA flash ops). Each rank saves what it measured to
 ``OUTDIR/rank{r}.pt``; the tests (``test_context_parallel_cpu.py``, ``test_context_parallel_multigpu.py``) judge it
@@ -61,7 +61,7 @@ def _worker(rank, world, outdir, device):
     dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{outdir}/store",
                             rank=rank, world_size=world)
     torch.set_num_threads(1)
-    from gproj_patch.integrations import context_parallel
+    from gproj_patch.hooks import context_parallel
     from tests.distributed import ring_sim
     from tests.distributed.shards import problem
     dev = "cpu" if device == "cpu" else f"cuda:{rank}"

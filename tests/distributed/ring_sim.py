@@ -1,7 +1,7 @@
 """PyTorch's ring attention backward simulated in one process (no communication): every rank's steps run in turn,
 the KV shard of rank r's step i being rank (r − i) mod W's, with PyTorch's own step logic (its
 ``_is_causal_behavior``, load-balancing halves and ``_partial_update``, through
-``integrations.context_parallel.ring_step`` / ``step_operands``).
+``hooks.context_parallel.ring_step`` / ``step_operands``).
 
 * ``shard(x, world, balanced)``: the sequence split as context parallelism splits it — head-tail load balancing
   (PyTorch's ``_HeadTailLoadBalancer`` indices, then ``world`` contiguous pieces) or plain contiguous pieces;
@@ -21,7 +21,7 @@ import torch
 
 from gproj_patch.backends import compat
 from gproj_patch.backends.ring import RingRows
-from gproj_patch.integrations.context_parallel import HALVES, ring_step, step_operands
+from gproj_patch.hooks.context_parallel import HALVES, ring_step, step_operands
 
 
 def cp_module():

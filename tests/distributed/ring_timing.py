@@ -44,7 +44,7 @@ def _check(cfg, seed, backend):
     """Fresh inputs (the ranks' pieces) and the fp64 errors (dq, dk, dv) of the corrected and the uncorrected ring
     on them, the kernels' outputs poisoned."""
     from gproj_patch.backends import triton_bwd
-    from gproj_patch.integrations.context_parallel import pass_launches
+    from gproj_patch.hooks.context_parallel import pass_launches
     from tests.distributed import ring_sim
     from tests.distributed.shards import problem, whole
     from tests.helpers.numerics import rel
@@ -68,7 +68,7 @@ def _time(cfg, pieces, launches, backend):
     """Medians (ms) of PyTorch's ring, the corrected ring, and its row and column passes apart."""
     from triton.testing import do_bench
     from gproj_patch.backends.ring import RingRows
-    from gproj_patch.integrations.context_parallel import ring_step, step_operands
+    from gproj_patch.hooks.context_parallel import ring_step, step_operands
     from tests.distributed import ring_sim
     world, causal = cfg[6], cfg[7]
     cp = ring_sim.cp_module()

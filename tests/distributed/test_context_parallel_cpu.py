@@ -3,7 +3,7 @@
 PyTorch's ring attention runs on the CPU with the CPU flash ops (``cp_worker``'s docstring), and the CPU flash
 backward rounds dS to BF16 as the CUDA fused ones do, so the leak is PyTorch's own. Each rank runs the ring
 forward and backward on its piece of the sequence (causal: head-tail load balanced; full), unpatched and with
-``integrations.context_parallel`` installed (the FP32 form here: no GPU), on a 200σ common key offset and on a sink
+``hooks.context_parallel`` installed (the FP32 form here: no GPU), on a 200σ common key offset and on a sink
 key that holds nearly all the mass (keys offset 64σ), GQA. The pieces put back together are judged against fp64
 of the whole (unsharded) attention. The ranks run in a subprocess (``python -m tests.distributed.cp_worker OUTDIR
 WORLD cpu``), ~45 s for both sizes on 2 cores.

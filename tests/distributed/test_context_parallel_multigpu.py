@@ -1,6 +1,6 @@
 """Corrected gradients under context parallelism with PyTorch's real ring on 2 GPUs (NCCL; skipped with fewer):
 the CUDA flash ops as PyTorch's ``_scaled_dot_product_ring_flash_attention(_backward)`` call them, unpatched and
-with ``integrations.context_parallel`` installed (the GProj kernels: tl dQ-major row pass, Gluon or tl KV-major
+with ``hooks.context_parallel`` installed (the GProj kernels: tl dQ-major row pass, Gluon or tl KV-major
 column pass), B2 H8 S2048 D128, causal load balanced and full, a 200σ key offset and a sink key. The CPU version
 is ``test_context_parallel_cpu.py``; the same judgement.
 

@@ -1,5 +1,5 @@
 """The corrected ring's passes (``backends/ring.py``) in one process on the CPU, and the context-parallel hook's
-decision and bookkeeping (``integrations/context_parallel.py``) without a process group.
+decision and bookkeeping (``hooks/context_parallel.py``) without a process group.
 
 The kernel form runs the tl kernels through Triton's interpreter in FP16 (its BF16 is inexact there; BF16 and the
 Gluon KV-major launch: ``test_context_parallel_gpu.py``); the FP32 form in PyTorch. The ring is simulated with
@@ -15,7 +15,7 @@ from gproj_patch.backends import triton_bwd
 from gproj_patch.backends.fp32_tier import fp32_backward
 from gproj_patch.backends.ring import RingRows, kernel_reason
 from gproj_patch.backends.triton_bwd import gproj_backward
-from gproj_patch.integrations import context_parallel
+from gproj_patch.hooks import context_parallel
 from tests.distributed import ring_sim
 from tests.distributed.shards import problem, whole
 from tests.helpers.numerics import rel

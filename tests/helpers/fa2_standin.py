@@ -262,7 +262,7 @@ def reset_calls() -> None:
 
 def point_hook_here(monkeypatch) -> None:
     """The flash-attn hook's op lists and device pointed at these ops' CPU kernels (FA4 left alone)."""
-    from gproj_patch.integrations import flash_attn as fa_hook
+    from gproj_patch.hooks import flash_attn as fa_hook
     monkeypatch.setattr(fa_hook, "FA2_OPS", FA2_BACKWARD_OPS)
     monkeypatch.setattr(fa_hook, "FA3_OPS", FA3_BACKWARD_OPS)
     monkeypatch.setattr(fa_hook, "DEVICE_TYPE", "cpu")

@@ -54,7 +54,7 @@ def load(monkeypatch):
 def install(monkeypatch):
     """``load(monkeypatch)`` for the flash-attn hook's tests: the stand-in as ``flash_attn.cute.interface``, the
     hook's FA2/FA3 op lists emptied (no flash-attn ops exist on the CPU), its call counters at zero."""
-    from gproj_patch.integrations import flash_attn as fa_hook
+    from gproj_patch.hooks import flash_attn as fa_hook
     for name in ("FA2_OPS", "FA3_OPS"):
         monkeypatch.setattr(fa_hook, name, ())
     module = load(monkeypatch)

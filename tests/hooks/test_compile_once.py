@@ -270,7 +270,7 @@ def test_compiled_hook_ops_stay_out_of_cuda_graphs():
     reads it): they carry ``torch.Tag.cudagraph_unsafe``, so inductor's CUDA-graph partitions
     (``mode="reduce-overhead"``) leave them out. The plain kernel op has no Python state and stays capturable;
     SDPA has no op of the package in a compiled graph (its seam is PyTorch's own backward op)."""
-    import gproj_patch.integrations.flex  # noqa: F401
+    import gproj_patch.hooks.flex  # noqa: F401
     from gproj_patch.backends import ops  # noqa: F401
     if not hasattr(torch.Tag, "cudagraph_unsafe"):
         pytest.skip("this torch has no cudagraph_unsafe tag")

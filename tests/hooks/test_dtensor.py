@@ -6,7 +6,7 @@ ones, and within the unpatched BF16 path's own error of an fp64 reference of the
 "corrected" from a local key shard would be off by ~100%). On the CPU DTensor SDPA runs on the math backend,
 which has no fused backward op: the seam is not reached at all. (On CUDA a DTensor call's fused backward op is
 redispatched by the seam so that DTensor's own local calls reach it, each a whole problem; the ring of context
-parallelism has its own corrected backward, ``integrations/context_parallel.py``.)
+parallelism has its own corrected backward, ``hooks/context_parallel.py``.)
 
 What runs on the CPU in torch 2.13 (measured while writing this file):
 * DTensor SDPA runs only on the MATH backend (``sdpa_kernel(SDPBackend.MATH)``): DTensor has no sharding rule

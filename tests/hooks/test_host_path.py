@@ -150,7 +150,7 @@ def test_threads_count_every_call(cached_cpu):
 def test_problem_shared_per_flags_and_fresh_with_a_mask():
     """The seam's problem of a call without a mask is one frozen instance per (scale, flags) (host time); an exact
     causal bias becomes those flags; any other mask a fresh problem holding it."""
-    from gproj_patch.integrations import sdpa as seam
+    from gproj_patch.hooks import sdpa as seam
     q = torch.randn(1, 2, 8, 16).bfloat16()
 
     def call(causal=False, mask=None, scale=16 ** -0.5):

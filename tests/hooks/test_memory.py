@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import gproj_patch
-from gproj_patch.integrations import fa_records
+from gproj_patch.hooks import fa_records
 from gproj_patch.runtime.config import TIERS
 from tests.helpers import fa4_standin
 from tests.helpers.memory import CALLS, assert_tier_ran, flat as _flat

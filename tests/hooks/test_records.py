@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import gproj_patch
 from gproj_patch import policy
-from gproj_patch.integrations import sdpa as seam
+from gproj_patch.hooks import sdpa as seam
 
 from tests.helpers import fa4_standin
 

@@ -1,4 +1,4 @@
-"""The SDPA seam (``integrations/sdpa.py``): the corrected backward is the autograd-level kernel of SDPA's fused
+"""The SDPA seam (``hooks/sdpa.py``): the corrected backward is the autograd-level kernel of SDPA's fused
 backward ops, so every caller is reached, the forward runs no package code, and ``disable()`` gives PyTorch's
 kernels back. CPU: the seam sits on ``aten::_scaled_dot_product_flash_attention_for_cpu_backward``; the CUDA ops
 are exercised in ``test_gpu_integration.py``.
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.integrations import sdpa as seam
+from gproj_patch.hooks import sdpa as seam
 from tests.helpers.numerics import rel
 
 pytestmark = pytest.mark.usefixtures("patch_off")

@@ -8,7 +8,7 @@ then the per-shard aten backward op with the merged output and LSE, reached thro
 each shard's gradient is the fp64 gradient of that shard's part of the attention (within PyTorch's own
 per-shard error), its rows counted as shards (``stats()["partial_rows"]``) and left unprojected; the shards' sum
 is as accurate as PyTorch's ring, and a call over whole rows is still corrected. (The ring itself, with the
-row's λ over every shard, is ``integrations/context_parallel.py``: tests/distributed.)
+row's λ over every shard, is ``hooks/context_parallel.py``: tests/distributed.)
 """
 import pytest
 import torch

@@ -120,7 +120,7 @@ def test_create_graph_gradients_still_corrected_and_marked():
 def test_hf_eager_double_backward_is_the_unpatched_result_or_a_clear_error():
     pytest.importorskip("transformers")
     from transformers.models.llama import modeling_llama
-    from gproj_patch.integrations import hf_eager
+    from gproj_patch.hooks import hf_eager
 
     class Attention(torch.nn.Module):
         num_key_value_groups, head_dim = 1, D

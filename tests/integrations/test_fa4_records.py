@@ -16,8 +16,8 @@ import torch
 import gproj_patch
 from gproj_patch import policy
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.integrations import fa_records
-from gproj_patch.integrations import flash_attn as fa_hook
+from gproj_patch.hooks import fa_records
+from gproj_patch.hooks import flash_attn as fa_hook
 
 from tests.helpers import fa4_standin
 from tests.helpers.numerics import bhsd as _bhsd, rel as _rel

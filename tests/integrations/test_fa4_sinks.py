@@ -22,7 +22,7 @@ import torch
 import gproj_patch
 from gproj_patch.backends.fp32_tier import fp32_backward
 from gproj_patch.backends.reference import reference_backward, reference_forward
-from gproj_patch.integrations import fa_records
+from gproj_patch.hooks import fa_records
 
 from tests.helpers import fa4_standin
 from tests.helpers.numerics import offset_along_direction, rel as _rel

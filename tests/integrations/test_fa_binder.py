@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from gproj_patch.integrations.fa_records import Binder
+from gproj_patch.hooks.fa_records import Binder
 from tests.helpers import fa4_standin
 
 

@@ -7,7 +7,7 @@ import torch
 
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward, reference_forward
-from gproj_patch.integrations import flash_attn as fa_hook
+from gproj_patch.hooks import flash_attn as fa_hook
 
 from tests.helpers import fa2_standin, fa4_standin
 from tests.helpers.numerics import bhsd as _bhsd, rel as _rel

@@ -13,8 +13,8 @@ import torch
 
 import gproj_patch
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.integrations import flex as hook
-from gproj_patch.integrations import flex_masks
+from gproj_patch.hooks import flex as hook
+from gproj_patch.hooks import flex_masks
 
 fam = pytest.importorskip("torch.nn.attention.flex_attention")
 from tests.helpers.flex_cases import ORIGINAL_CODE, UNPATCHED, causal  # noqa: E402

@@ -3,7 +3,7 @@
 Bound before ``enable()`` — a module global (``from torch.nn.attention.flex_attention import flex_attention``), a
 ``functools.partial``, ``torch.compile(flex_attention)`` made (and run) before it as a class attribute
 (torchtitan), a compiled region that inlined it before it — each gets the corrected backward:
-``integrations/flex_reach.py`` swaps the function's code, so the object every binding holds runs the hook.
+``hooks/flex_reach.py`` swaps the function's code, so the object every binding holds runs the hook.
 Before that change each of these kept the original; on CPU the original has no backward at all (it raises), on
 CUDA it is the uncorrected fused backward (H200: 36.5% dq at 128σ).
 
@@ -29,8 +29,8 @@ from torch._dynamo.utils import counters
 import gproj_patch
 from gproj_patch.backends.emulation import emulated_backward, emulated_forward
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.integrations import flex as hook
-from gproj_patch.integrations import flex_reach
+from gproj_patch.hooks import flex as hook
+from gproj_patch.hooks import flex_reach
 
 fam = pytest.importorskip("torch.nn.attention.flex_attention")
 from tests.helpers.flex_cases import ORIGINAL_CODE, TARGET, UNPATCHED, causal  # noqa: E402

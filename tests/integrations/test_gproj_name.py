@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
-from gproj_patch.integrations import transformers as hf_gproj  # noqa: E402
+from gproj_patch.hooks import transformers as hf_gproj  # noqa: E402
 
 BOUND = 5e-3           # BF16 through the FP32 tier on CPU, per call against the fp64 oracle
 UNPATCHED_FAR = 0.05   # plain BF16 SDPA's dq error per call on the same model
@@ -60,12 +60,12 @@ def names(mapping):
 out = {"attention": names(AttentionInterface._global_mapping), "mask": names(AttentionMaskInterface._global_mapping)}
 if "gproj_patch" in sys.modules:
     import gproj_patch
-    from gproj_patch.integrations import transformers as hf_gproj
+    from gproj_patch.hooks import transformers as hf_gproj
     from transformers.masking_utils import sdpa_mask
     att, msk = AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping
     out["ours"] = [att.get("gproj") is hf_gproj.gproj_attention_forward, msk.get("gproj") is sdpa_mask]
     out["enabled"] = gproj_patch.is_enabled()
-    from gproj_patch.integrations import sdpa as seam
+    from gproj_patch.hooks import sdpa as seam
     out["hooks"] = [seam.is_installed() or F.scaled_dot_product_attention is not torch._C._nn.scaled_dot_product_attention,
                     hasattr(modeling_llama.eager_attention_forward, "__gproj_original__"),
                     any(hasattr(v, "__gproj_named__") for v in att.values())]

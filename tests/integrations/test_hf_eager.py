@@ -1,4 +1,4 @@
-"""HF eager attention: ``integrations/hf_eager.py`` wraps every modeling module's
+"""HF eager attention: ``hooks/hf_eager.py`` wraps every modeling module's
 ``eager_attention_forward``; its ``run_eager`` keeps the forward and routes the backward.
 
 Checked: the forward and the returned attention weights bitwise equal to unpatched (a tiny Llama, a direct
@@ -23,7 +23,7 @@ import gproj_patch
 from tests.helpers.switches import cpu_kernel_on
 from gproj_patch.backends.reference import reference_backward
 from gproj_patch.audit.cases import witness_parameters
-from gproj_patch.integrations import hf_eager
+from gproj_patch.hooks import hf_eager
 from tests.helpers.memory import flat as _flat  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -142,7 +142,7 @@ def test_install_before_transformers_is_imported():
     code = "\n".join([
         "import sys",
         "from gproj_patch.runtime import import_hooks",
-        "from gproj_patch.integrations import hf_eager",
+        "from gproj_patch.hooks import hf_eager",
         "assert hf_eager.install() == 'installed'",
         "assert not any(n.startswith('transformers') for n in sys.modules), 'install imported transformers'",
         "assert 'transformers.modeling_utils' in import_hooks.pending()",

@@ -1,5 +1,5 @@
 """HF eager attention under the keyword conventions Transformers uses (the Trainer's ``num_items_in_batch``
-above all): which calls ``integrations/hf_eager.py`` corrects and which it passes through.
+above all): which calls ``hooks/hf_eager.py`` corrects and which it passes through.
 
 The rule is read from each eager function's code (``hf_eager_forms.unread_parameters``): an argument bound to a
 parameter the code never refers to — or landing in an unread ``**kwargs`` — cannot change the arithmetic, so the
@@ -27,7 +27,7 @@ import torch
 import gproj_patch
 from gproj_patch import policy
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.integrations import hf_eager, hf_eager_forms
+from gproj_patch.hooks import hf_eager, hf_eager_forms
 from tests.helpers import hf_models
 from tests.helpers.numerics import offset_along_direction, rel
 

@@ -1,6 +1,6 @@
 """HF ``"gproj"`` with learnable sinks (``s_aux``, gpt-oss) and softcap (Gemma 2).
 
-The forward is HF eager's own (gpt-oss's sink operations in ``integrations/transformers.py``; Gemma 2's eager softcap
+The forward is HF eager's own (gpt-oss's sink operations in ``hooks/transformers.py``; Gemma 2's eager softcap
 function itself), checked bit for bit on tiny models and on direct calls; the backward goes through the router
 with ``Problem.sink`` / ``Problem.softcap`` and is checked against the fp64 oracle on keys with a 128σ offset
 the queries cannot see (the scores, the sink weights and the softcap's tanh keep their level; only the
@@ -19,14 +19,14 @@ import torch
 import gproj_patch
 from tests.helpers.switches import cpu_kernel_on
 from gproj_patch.backends.reference import reference_backward
-from gproj_patch.integrations import transformers as gproj_hf
+from gproj_patch.hooks import transformers as gproj_hf
 from tests.helpers.memory import flat as _flat
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma2 import modeling_gemma2  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 
-from gproj_patch.integrations.transformers import gproj_attention_forward  # noqa: E402
+from gproj_patch.hooks.transformers import gproj_attention_forward  # noqa: E402
 from tests.helpers.numerics import offset_along_direction, rel  # noqa: E402
 
 B, H, HKV, S, D = 2, 4, 2, 48, 32

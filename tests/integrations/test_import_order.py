@@ -24,7 +24,7 @@ was_imported = {m: m in sys.modules for m in ("torch", "transformers.modeling_ut
 import torch
 import torch.nn.functional as F
 import gproj_patch.integrations.startup as s
-from gproj_patch.integrations import sdpa as seam
+from gproj_patch.hooks import sdpa as seam
 patched = seam.is_installed()
 registered = None
 if "transformers.modeling_utils" in sys.modules:

@@ -91,7 +91,7 @@ def test_bf16_gradients_within_flash_attention_style_tolerance(name, padded, imp
 
 def test_layer_names_and_inference_path(monkeypatch):
     seen = []
-    from gproj_patch.integrations import sdpa as seam
+    from gproj_patch.hooks import sdpa as seam
     real = seam.run_backward
     monkeypatch.setattr(seam, "run_backward",
                         lambda record, *a, **kw: seen.append(record.context.layer) or real(record, *a, **kw))
@@ -110,7 +110,7 @@ def test_disable_keeps_gproj_and_unwraps_every_other_entry():
     back by identity), "gproj" still registered (the name exists without the patch), so a model built with it
     keeps running."""
     from transformers.modeling_utils import AttentionInterface
-    from gproj_patch.integrations.transformers import gproj_attention_forward
+    from gproj_patch.hooks.transformers import gproj_attention_forward
     mapping = AttentionInterface._global_mapping
     gproj_patch.disable()
     before = dict(mapping)
@@ -140,7 +140,7 @@ def test_disable_leaves_a_gproj_entry_registered_again_after_enable(caplog):
                    for r in caplog.records)
     finally:
         AttentionInterface._global_mapping.pop("gproj", None)
-        from gproj_patch.integrations.transformers import register_name
+        from gproj_patch.hooks.transformers import register_name
         register_name()  # the name as `import gproj_patch` left it, for the tests after this one
 
 

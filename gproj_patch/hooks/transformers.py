@@ -13,7 +13,7 @@ reaches ``s_aux``). Otherwise the attention function runs SDPA's fused forward a
 corrected backward (``gproj_patch.attention``), with GQA natively (no ``repeat_kv`` copy), ``is_causal`` as HF's
 SDPA path sets it, and the layer named ``"<AttentionClass>.<layer_idx>"`` for the policy (unless
 ``track_layers`` named it). ``install()`` also wraps every other entry of HF's attention registry so that their
-calls get the same names (``integrations/hf_layer_names.py``): a model's policy keys do not depend on its
+calls get the same names (``hooks/hf_layer_names.py``): a model's policy keys do not depend on its
 ``attn_implementation``. Without a gradient it is exactly HF's "sdpa" function.
 A boolean mask that is exactly causal or causal + sliding window (HF builds those for Mistral/Qwen2/Gemma
 windows) is recognised in the backward and handed to the kernel as flags, not as a mask.

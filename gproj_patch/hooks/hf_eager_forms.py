@@ -1,6 +1,6 @@
 """What an HF eager attention function computes and which of its arguments it reads, found once per function.
 
-Whether an eager call's backward can be corrected (``integrations/hf_eager.py``) depends on what the model's
+Whether an eager call's backward can be corrected (``hooks/hf_eager.py``) depends on what the model's
 function computes, which differs between models (GQA or not, softcap, gpt-oss's sink column, T5's position bias,
 ...), and on which of the arguments it is given it reads.
 

@@ -6,7 +6,7 @@ global of any module), ``flex_attention = torch.compile(flex_attention)`` made b
 a class attribute; the compiled wrapper closes over the function object), ``functools.partial``, HF's
 ``WrappedFlexAttention`` singleton. Every one of them calls the *same function object*, so every one of them
 runs whatever code object that function holds at call time. ``install()`` therefore replaces
-``flex_attention.__code__`` by the code of the hook's function (``integrations/flex.py``'s ``flex_attention``:
+``flex_attention.__code__`` by the code of the hook's function (``hooks/flex.py``'s ``flex_attention``:
 same parameters, names, kinds and order; the defaults stay the function's own), whose body hands the call to the
 hook. Under ``torch.compile`` Dynamo runs the frame of that code: a ``torch.compile(flex_attention)`` wrapper
 made before ``enable()`` compiles the hook afresh (its cache lives on the old code object, which is back in use

@@ -8,7 +8,7 @@ re-registers the op's CUDA kernel (``CustomOpDef.register_kernel``, what ``torch
 calls), so references bound at import time (``torch.ops.flash_attn._flash_attn_backward`` captured in a module
 global, HF's preloaded ``flash_attn_func``) are covered. The forward ops are not touched: no Python of this
 package runs in an FA2/FA3 forward. The kernel is the one decision of the call, made from its own arguments, as
-the SDPA seam makes it (``integrations/sdpa.py``): the ``Problem`` from the backward's arguments (scale, causal,
+the SDPA seam makes it (``hooks/sdpa.py``): the ``Problem`` from the backward's arguments (scale, causal,
 window, softcap, ``cu_seqlens_*`` / ``max_seqlen_*`` for varlen — every release passes all of them to the
 backward op), the context with the options in force at the backward and the layer of the autograd node being run
 (the ``FlashAttn*Func`` backward node whose forward ran in a named scope, else ``flash_attn{n}``:

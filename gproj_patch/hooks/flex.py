@@ -326,7 +326,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     While installed this function's code also runs as torch's ``flex_attention``, with that module's globals: the
     hook is therefore imported by its absolute name, not looked up as a global here."""
-    from gproj_patch.integrations.flex import flex as hooked_flex
+    from gproj_patch.hooks.flex import flex as hooked_flex
     return hooked_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
                        return_aux=return_aux)
 

@@ -6,7 +6,7 @@ registry functions ("sdpa", "flash_attention_2/3/4", "flex_attention", "paged|ea
 Transformers has them) reach the SDPA / flash-attn / flex hooks, which know nothing of the module and would
 number the calls ``call{n}``. ``wrap(mapping)`` replaces each entry of ``AttentionInterface._global_mapping`` by
 a wrapper that runs the entry inside ``layer_context.call_in_module_layer(module, ...)``: the same name as HF
-eager (``integrations/hf_eager.py``) and "gproj" (``integrations/transformers.py``) give — the module path of an
+eager (``hooks/hf_eager.py``) and "gproj" (``hooks/transformers.py``) give — the module path of an
 open ``track_layers`` scope, else ``"<AttentionClass>.<layer_idx>"``.
 
 The wrapper is invisible: ``functools.wraps`` (name, docstring, ``__wrapped__`` so ``inspect.signature`` reads

@@ -26,7 +26,7 @@ in FP16) hides whether it was dropped — and reading it from the dropout node w
 attributes; the SDPA and flash-attn paths pass dropout through the same way.
 
 The autograd side (``run_eager``), shared by every eager forward of known math: this hook's wrapped functions and
-the ``"gproj"`` attention's softcap and sink paths (``integrations/transformers.py``), which is why it is public.
+the ``"gproj"`` attention's softcap and sink paths (``hooks/transformers.py``), which is why it is public.
 ``run_eager(call, query, key, value, sink)`` runs ``call.fn`` — the model's own eager function, or another
 forward of known math — on detached aliases, without a graph (the same ops, so the same bits as unpatched),
 and returns what it returns: ``(attn_output (B, Sq, Hq, D), attn_weights)``. The call's record is made now;
