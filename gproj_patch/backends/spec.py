@@ -24,6 +24,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 ALIGNMENTS = ("top_left", "bottom_right")
+#: the dtypes whose fused backwards round dS (FP32/FP64 attention has nothing to repair)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 

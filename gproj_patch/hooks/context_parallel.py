@@ -34,13 +34,11 @@ import torch.distributed as dist
 
 from ..backends import compat
 from ..backends.ring import RingRows, kernel_reason
-from ..backends.spec import normalize_lse
+from ..backends.spec import LOW_PRECISION, normalize_lse
 from ..runtime import telemetry
 from .restore import restore_by_identity
 
 logger = logging.getLogger("gproj_patch")
-#: the dtypes whose fused backwards round dS (FP32/FP64 rings have nothing this hook repairs)
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: the fused backward ops PyTorch's ring calls (and the CPU flash one, which it runs the same way): aten names
 RING_OPS = ("_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward",
             "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward")
