@@ -182,8 +182,7 @@ def op_backward(b: dict, original: Callable[[], object], library: str, cfg: conf
     source = _call_source(library, b)
     reason = _fallback_reason(b)
     if reason is not None or cfg.mode == "off":
-        telemetry.record_backward("original", reason, telemetry.shape_class(source, _arg(b, "q"), _arg(b, "k")))
-        return original()
+        return _kept(reason, source, b, original)
     layer = backward_op_layer(node, unnamed=UNNAMED)
     if settled_original(cfg, layer, has_original=True):  # auto, a healthy layer between samples: no plan
         return run_settled_original(layer, original)
@@ -199,7 +198,7 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
     parameter of the backward, defaults applied); ``original()`` runs the saved function; ``source`` names the
     library (``flash_attn_4``); ``fake()`` (optional) builds the auxiliary return value;
     ``forward_takes_sink``: the library's forward accepts a learnable sink."""
-    q, k = _arg(b, "q"), _arg(b, "k")
+    q = _arg(b, "q")
     lse = _arg(b, "softmax_lse", "lse")
     given_sink = _arg(b, FA4_SINK)  # FA4 ≥ #2706 passes the sink and then returns its gradient too
     varlen = _arg(b, "cu_seqlens_q") is not None
@@ -210,8 +209,7 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
             reason = _fallback_reason(b)
             if reason is None:
                 return run_settled_original(forward.settled, original)
-            telemetry.record_backward("original", reason, telemetry.shape_class(_call_source(source, b), q, k))
-            return original()
+            return _kept(reason, _call_source(source, b), b, original)
         forward = None  # a sink its forward did not have: not this call's record
     if forward is None:
         if config.active() is None:
@@ -223,9 +221,15 @@ def corrected_fa_backward(b: dict, original: Callable[[], object], source: str, 
         _unknown_sink_reason(forward, b, forward_takes_sink) or \
         _sink_reason(given_sink if given_sink is not None else problem.sink, _to_bhsd(q, varlen), problem.softcap)
     if reason is not None or forward.context.mode == "off":
-        telemetry.record_backward("original", reason, telemetry.shape_class(forward.context.source, q, k))
-        return original()
+        return _kept(reason, forward.context.source, b, original)
     return _carry_out(forward.call, b, original, returns, fake, given_sink)
+
+
+def _kept(reason: Optional[str], source: str, b: dict, original: Callable[[], object]):
+    """The library's own backward for a call the hook does not correct (``reason``; None: mode off), counted
+    as "original" with its reason (logged once per shape class)."""
+    telemetry.record_backward("original", reason, telemetry.shape_class(source, _arg(b, "q"), _arg(b, "k")))
+    return original()
 
 
 def _carry_out(record: CallRecord, b: dict, original: Callable[[], object], returns: str,
