@@ -30,6 +30,12 @@ SECOND_ORDER_ERROR = ("gproj_patch: the corrected attention backward is not diff
                       "for higher-order gradients")
 
 
+def has_backward(*tensors) -> bool:
+    """Grad mode is on and one of ``tensors`` (None skipped) requires grad: the call will have a backward to
+    correct. Every hook asks this before its own terms (its mode, the inputs' dtype)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def transform_reason(*tensors) -> Optional[str]:
     """Why a call made under a ``torch.func`` transform or with dual tensors keeps the original (None: neither).
     Eager calls only (under ``torch.compile`` the compiled paths take these transforms through custom ops)."""

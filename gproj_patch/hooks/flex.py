@@ -92,7 +92,7 @@ from ..backends import compat
 from ..backends.compat import (CUDAGRAPH_UNSAFE_TAGS, FLEX_SLICED_MASK_MOD, assume_constant_result,
                                flex_identity_score_mod)
 from ..backends.spec import LOW_PRECISION, default_scale
-from ..dispatch.autograd import inner_saved_tensors_hooks, once_differentiable, transform_reason
+from ..dispatch.autograd import has_backward, inner_saved_tensors_hooks, once_differentiable, transform_reason
 from ..dispatch.plan import ForwardTensors, kernel_reason, make_plan
 from ..dispatch.record import BackwardPlan, CallRecord, Context, Problem, make_context
 from ..dispatch.router import BackwardTensors, graph_backward, run_backward
@@ -377,8 +377,8 @@ class _FlexFunction(torch.autograd.Function):
 
 
 def needs_correction(q, k, v, mode: str) -> bool:
-    return (mode != "off" and torch.is_grad_enabled() and getattr(q, "dtype", None) in LOW_PRECISION
-            and (q.requires_grad or k.requires_grad or v.requires_grad))
+    """The patch on, BF16/FP16 inputs (FP32/FP64 flex has nothing to repair) and a backward to correct."""
+    return mode != "off" and getattr(q, "dtype", None) in LOW_PRECISION and has_backward(q, k, v)
 
 
 def flex(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_lse=False,

@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from ..backends.spec import LOW_PRECISION
-from ..dispatch.autograd import once_differentiable, transform_reason
+from ..dispatch.autograd import has_backward, once_differentiable, transform_reason
 from ..dispatch.masks import mask_as_flags, packed_call, padding_as_flags, padding_as_varlen, unpack_grads
 from ..dispatch.plan import ForwardTensors, kernel_reason, make_plan
 from ..dispatch.record import CallRecord, Problem, make_context
@@ -413,9 +413,9 @@ class _EagerFunction(torch.autograd.Function):
 
 
 def needs_correction(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor] = None) -> bool:
-    """A gradient is needed and the inputs are BF16/FP16 (FP32/FP64 eager attention has nothing to repair)."""
-    wants = q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
-    return torch.is_grad_enabled() and wants and q.dtype in LOW_PRECISION
+    """BF16/FP16 inputs (FP32/FP64 eager attention has nothing to repair) and a backward to correct (the sink's
+    gradient counts)."""
+    return q.dtype in LOW_PRECISION and has_backward(q, k, v, sink)
 
 
 def run_eager(call: EagerCall, query: Tensor, key: Tensor, value: Tensor):

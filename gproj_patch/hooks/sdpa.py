@@ -60,7 +60,7 @@ from torch import Tensor
 
 from ..backends import compat
 from ..backends.spec import LOW_PRECISION, default_scale
-from ..dispatch.autograd import (SECOND_ORDER_ERROR, inner_saved_tensors_hooks, once_differentiable,
+from ..dispatch.autograd import (SECOND_ORDER_ERROR, has_backward, inner_saved_tensors_hooks, once_differentiable,
                                  transform_reason)
 from ..dispatch.plan import ForwardTensors, make_plan, settled_original
 from ..dispatch.record import CallRecord, Problem, make_context
@@ -676,11 +676,6 @@ def _attention_backward(ctx, do):
     return tuple(next(back) if a.requires_grad else None for a in aliases) + (None, None)
 
 
-def _needs_correction(query, key, value, mode: str) -> bool:
-    return (mode != "off" and torch.is_grad_enabled()
-            and (query.requires_grad or key.requires_grad or value.requires_grad))
-
-
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
          *, cfg: Optional[_config.Config] = None, layer: Optional[str] = None, source: str = "sdpa"):
     """SDPA's semantics with the corrected backward, enabled or not. ``cfg``: the options when the patch is not
@@ -695,7 +690,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cfg, source):
     args = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     cfg = _config.active() or cfg or _config.Config()
-    if is_installed() or not _needs_correction(query, key, value, cfg.mode):
+    if is_installed() or cfg.mode == "off" or not has_backward(query, key, value):
         return F.scaled_dot_product_attention(query, key, value, **args)  # the seam (when installed) corrects it
     plain = all(type(t) in _PLAIN for t in (query, key, value, attn_mask) if t is not None)
     reason = None if plain else "a tensor subclass (it dispatches SDPA itself)"

@@ -271,3 +271,22 @@ def test_sdpa_pickles_as_the_builtin_under_the_patch(tmp_path):
         assert torch.equal(loaded(q, k, v), plain)
     finally:
         gproj_patch.disable()
+
+
+def test_the_hooks_ask_one_backward_question_then_their_own_terms():
+    """``has_backward``: grad mode on and an input (None skipped, a learnable sink counted) requires grad — what a
+    call without a backward never gets past; flex adds the mode and the dtype, HF eager the dtype and its sink."""
+    from gproj_patch.dispatch.autograd import has_backward
+    from gproj_patch.hooks import flex, hf_eager
+    x = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
+    g = x.clone().requires_grad_()
+    sink = torch.zeros(1, requires_grad=True)
+    assert not has_backward(x, x, x) and not has_backward(x, None, x)
+    assert has_backward(x, g, x) and has_backward(x, x, x, sink)
+    with torch.no_grad():
+        assert not has_backward(g, g, g, sink)
+        assert not flex.needs_correction(g, g, g, "gproj") and not hf_eager.needs_correction(g, g, g, sink)
+    assert flex.needs_correction(x, x, g, "gproj") and not flex.needs_correction(x, x, g, "off")
+    assert not flex.needs_correction(g.float(), x, x, "gproj") and not flex.needs_correction(x, x, x, "gproj")
+    assert hf_eager.needs_correction(x, x, x, sink) and not hf_eager.needs_correction(x, x, x)
+    assert not hf_eager.needs_correction(g.float(), g, g)
