@@ -175,7 +175,7 @@ def _launch_plan_key(t: ForwardTensors, problem: Problem, record: CallRecord) ->
     ctx = record.context
     return (ctx.kv_major, ctx.dq_major, ctx.in_graph, q.device, q.dtype, k.dtype, v.dtype, q.shape, q.stride(),
             k.shape, k.stride(), v.shape, v.stride(), q.data_ptr() % _TMA_ALIGN, k.data_ptr() % _TMA_ALIGN,
-            v.data_ptr() % _TMA_ALIGN, problem.window, problem.softcap,
+            v.data_ptr() % _TMA_ALIGN, tuple(problem.window), problem.softcap,
             problem.cu_seqlens_q is not None or problem.cu_seqlens_k is not None)
 
 
