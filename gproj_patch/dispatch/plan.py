@@ -114,10 +114,16 @@ def kernel_reason(t: ForwardTensors, problem: Problem, *, cpu_kernel: bool, fp32
     reason = triton_bwd.kernel_unsupported_reason(t.q, t.k, t.v, attn_mask=attn_mask, softcap=problem.softcap,
                                                   sink=problem.sink, fp32=fp32, cpu_kernel=cpu_kernel)
     if key is not None:
-        if len(STATE.kernel_reasons) >= _KERNEL_CACHE_SIZE:  # bounded (many B·H values): start over
-            STATE.kernel_reasons.clear()
-        STATE.kernel_reasons[key] = reason
+        _memo_put(STATE.kernel_reasons, key, reason, _KERNEL_CACHE_SIZE)  # bounded: many B·H values
     return reason
+
+
+def _memo_put(memo: dict, key: tuple, value, size: int) -> None:
+    """``memo[key] = value`` in one of the runtime state's bounded memos: full at ``size`` entries, it starts
+    over (the shapes a process runs are few; a process cycling through more re-asks the predicates)."""
+    if len(memo) >= size:
+        memo.clear()
+    memo[key] = value
 
 
 def kv_major_choice(t: ForwardTensors, problem: Problem, option: str) -> Tuple[str, Optional[str]]:
@@ -193,9 +199,7 @@ def _kernel_plan(t: ForwardTensors, problem: Problem, record: CallRecord, fp32: 
             return cached
     plan = _launch_plan(t, problem, record)
     if key is not None:
-        if len(STATE.kernel_plans) >= _KERNEL_PLAN_CACHE_SIZE:  # bounded (many shapes): start over
-            STATE.kernel_plans.clear()
-        STATE.kernel_plans[key] = plan
+        _memo_put(STATE.kernel_plans, key, plan, _KERNEL_PLAN_CACHE_SIZE)  # bounded: many shapes
     return plan
 
 

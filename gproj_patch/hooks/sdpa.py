@@ -495,7 +495,7 @@ def _backward(spec: SeamOp, op, keyset, args: tuple, kwargs: dict):
     known = not spec.cudnn or _cudnn_plan_known(key)
     with torch.no_grad():
         outputs = corrected(spec, b, original, cfg, compat.current_autograd_node(), has_original=known)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if has_backward(*tensors):
         # create_graph=True: PyTorch's kernel of this op is not differentiable either; its gradients raise when
         # a second backward reaches them (a clear error, not a silently missing term)
         return tuple(compat.delayed_error(SECOND_ORDER_ERROR, tuple(outputs)))

@@ -61,6 +61,7 @@ from torch import Tensor
 from ..runtime import config, telemetry
 from ..backends import compat
 from ..backends.spec import SINK_SOFTCAP_REASON
+from ..dispatch.autograd import has_backward
 from ..layers.scope import module_layer_name
 from . import hf_eager, hf_layer_names
 from . import sdpa as sdpa_hook
@@ -106,8 +107,7 @@ def gproj_attention_forward(module, query, key, value, attention_mask, dropout: 
         return _softcap_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap,
                                 kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if not needs_grad or kwargs.get("position_bias") is not None:
+    if not has_backward(query, key, value) or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = _causal(module, query, attention_mask, is_causal)

@@ -174,9 +174,9 @@ class RuntimeState:
             self.detector_kernel_failed = False
             self.detector_graph_failed = False
             self.detector_logged: set = set()
-            # router.kernel_reason's answers per key (device type, dtypes, head dims, B·H): cleared with the rest
+            # plan.kernel_reason's answers per key (device type, dtypes, head dims, B·H): cleared with the rest
             self.kernel_reasons: Dict[tuple, Optional[str]] = {}
-            # plan.kernel_plan_of's KernelPlans per key (options, devices, dtypes, shapes, strides, TMA alignment,
+            # plan._kernel_plan's KernelPlans per key (options, device, dtypes, shapes, strides, TMA alignment,
             # mask flags): the Gluon predicates' answers, asked once per key
             self.kernel_plans: Dict[tuple, Any] = {}
             self.traced_layers.clear()
